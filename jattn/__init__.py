@@ -1,0 +1,34 @@
+"""jattn: scaled dot-product attention for JAX, built from small pure functions.
+
+    o_i = sum_j softmax_j(q_i . k_j / sqrt(H)) v_j
+
+The vector version (`attend`, one query) becomes the matrix version
+(`attention`, one head) under `jax.vmap`, and multi-head, grouped and batched
+(`dot_product_attention`) under three more. Both layouts are first-class:
+tokens as rows, softmax(Q K^T / sqrt(H)) V, and tokens as columns,
+V softmax(K^T Q / sqrt(H)) with the softmax over axis 0.
+
+Letters used in every shape and einsum string:
+  B batch · T query length · S key/value length · N query heads ·
+  K key/value heads (N % K == 0, G = N // K query heads per kv head) ·
+  H query/key depth per head · D value depth per head · F model features.
+"""
+
+from jattn._attend import attend
+from jattn._attention import attention, project_qkv
+from jattn._dot_product_attention import dot_product_attention
+from jattn._masks import (causal_mask, combine_masks, local_mask, padding_mask,
+                          segment_mask)
+
+__all__ = [
+    "attend",
+    "attention",
+    "causal_mask",
+    "combine_masks",
+    "dot_product_attention",
+    "local_mask",
+    "padding_mask",
+    "project_qkv",
+    "segment_mask",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,53 @@
+"""The vector version: one query against all keys of one head."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+from jattn import _checks
+from jattn._softmax import logits_dtype, masked_softmax
+
+
+def default_scale(depth: int) -> float:
+  return 1.0 / math.sqrt(depth)
+
+
+def attend_with_weights(q, k, v, mask, bias, keep, scale):
+  """`attend` with arrays positional, so `jax.vmap` can address each of them.
+
+  keep: optional float [S] of dropout multipliers (0 or 1 / (1 - rate)).
+  Returns (out [D], weights [S]); weights are taken before dropout.
+  """
+  dtype = logits_dtype(q.dtype)
+  # logits[s] = q . k[s]
+  logits = jnp.einsum("H,SH->S", q, k, preferred_element_type=dtype) * scale
+  if bias is not None:
+    logits = logits + bias.astype(dtype)
+  weights = masked_softmax(logits, mask, axis=-1)
+  used = weights if keep is None else weights * keep.astype(dtype)
+  out = jnp.einsum("S,SD->D", used.astype(v.dtype), v,
+                   preferred_element_type=dtype)
+  return out.astype(v.dtype), weights
+
+
+def attend(q: Float[Array, "H"], k: Float[Array, "S H"], v: Float[Array, "S D"],
+           *, mask: Bool[Array, "S"] | None = None,
+           bias: Float[Array, "S"] | None = None,
+           scale: float | None = None) -> Float[Array, "D"]:
+  """One query q [H] against keys k [S, H] and values v [S, D] -> out [D].
+
+  out = sum_s softmax_s(q . k[s] * scale + bias[s]) v[s], over the keys where
+  mask [S] is True; scale defaults to 1 / sqrt(H). A query that may attend to
+  no key returns zeros.
+  """
+  q, k, v = _checks.single_head_arrays(q, k, v, q_rank=1, layout="rows")
+  S = k.shape[0]
+  mask = _checks.same_shape("mask", mask, (S,), "[S]")
+  bias = _checks.same_shape("bias", bias, (S,), "[S]")
+  scale = default_scale(q.shape[-1]) if scale is None else scale
+  out, _ = attend_with_weights(q, k, v, mask, bias, None, scale)
+  return out

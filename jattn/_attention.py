@@ -1,0 +1,91 @@
+"""The matrix version: all queries of one head, tokens as rows or as columns."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn import _checks
+from jattn._attend import attend_with_weights, default_scale
+from jattn._softmax import logits_dtype, masked_softmax
+
+LAYOUTS = ("rows", "columns")
+
+
+def _rows(q, k, v, mask, bias, keep, scale):
+  """softmax(Q K^T * scale) V: q [T, H], k [S, H], v [S, D] -> [T, D], weights [T, S].
+
+  Literally the vector version mapped over the queries.
+  """
+  per_query = lambda a: None if a is None else 0
+  return jax.vmap(
+      attend_with_weights,
+      in_axes=(0, None, None, per_query(mask), per_query(bias), per_query(keep), None),
+  )(q, k, v, mask, bias, keep, scale)
+
+
+def _columns(q, k, v, mask, bias, keep, scale):
+  """V softmax(K^T Q * scale): q [H, T], k [H, S], v [D, S] -> [D, T], weights [S, T].
+
+  Each column of the logits is one query, so the softmax runs over axis 0.
+  """
+  dtype = logits_dtype(q.dtype)
+  # logits [S, T] = K^T Q
+  logits = jnp.einsum("HS,HT->ST", k, q, preferred_element_type=dtype) * scale
+  if bias is not None:
+    logits = logits + bias.astype(dtype)
+  weights = masked_softmax(logits, mask, axis=0)
+  used = weights if keep is None else weights * keep.astype(dtype)
+  # out [D, T] = V W
+  out = jnp.einsum("DS,ST->DT", v, used.astype(v.dtype),
+                   preferred_element_type=dtype)
+  return out.astype(v.dtype), weights
+
+
+def attention_with_weights(q, k, v, mask, bias, keep, scale, layout):
+  """Positional-array form of `attention`, returning (out, weights); no checks."""
+  single_head = _rows if layout == "rows" else _columns
+  return single_head(q, k, v, mask, bias, keep, scale)
+
+
+def attention(q, k, v, *, mask=None, bias=None, scale=None, layout="rows",
+              return_weights=False):
+  """Single-head attention of a whole sequence of queries.
+
+  layout="rows" (tokens are rows): q [T, H], k [S, H], v [S, D] -> out [T, D],
+    softmax(Q K^T * scale + bias) V, with mask, bias and weights [T, S].
+  layout="columns" (tokens are columns): q [H, T], k [H, S], v [D, S] -> out [D, T],
+    V softmax(K^T Q * scale + bias) with the softmax over axis 0, and mask,
+    bias and weights [S, T].
+
+  mask is bool, True = may attend; scale defaults to 1 / sqrt(H). A query that
+  may attend to no key gets zeros. With return_weights=True, returns
+  (out, weights).
+  """
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  q, k, v = _checks.single_head_arrays(q, k, v, q_rank=2, layout=layout)
+  T = q.shape[0] if layout == "rows" else q.shape[1]
+  S = k.shape[0] if layout == "rows" else k.shape[1]
+  logical = (T, S) if layout == "rows" else (S, T)
+  legend = "[T, S]" if layout == "rows" else "[S, T]"
+  mask = _checks.same_shape("mask", mask, logical, legend)
+  bias = _checks.same_shape("bias", bias, logical, legend)
+  H = q.shape[1] if layout == "rows" else q.shape[0]
+  scale = default_scale(H) if scale is None else scale
+  out, weights = attention_with_weights(q, k, v, mask, bias, None, scale, layout)
+  return (out, weights) if return_weights else out
+
+
+def project_qkv(x, w_q, w_k, w_v, *, layout="rows"):
+  """Projects token features to queries, keys and values.
+
+  rows: x [T, P], w_q/w_k [P, H], w_v [P, D] -> q [T, H], k [T, H], v [T, D].
+  columns: x [P, T], w_q/w_k [H, P], w_v [D, P] -> q [H, T], k [H, T], v [D, T].
+  """
+  x, w_q, w_k, w_v = _checks.projection_arrays(x, w_q, w_k, w_v, layout=layout)
+  if layout == "rows":
+    project = lambda w: jnp.einsum("TP,PH->TH", x, w)
+  else:
+    project = lambda w: jnp.einsum("HP,PT->HT", w, x)
+  return project(w_q), project(w_k), project(w_v)

@@ -1,0 +1,209 @@
+"""Batched, multi-head scaled dot-product attention: a drop-in for jax.nn's."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jattn import _checks
+from jattn._attend import default_scale
+from jattn._layout import Layout, parse_layout
+from jattn._masks import MaskSpec, combine_masks
+from jattn._vmapped import vmapped_attention
+from jattn._xla import xla_attention
+
+# name -> function(query, key, value, mask, bias, keep, scale, layout) -> (out, weights)
+_IMPLEMENTATIONS = {
+    "xla": xla_attention,
+    "vmap": vmapped_attention,
+}
+_PLANNED = ("blockwise", "cudnn")
+
+
+def _choose_implementation(implementation) -> str:
+  if implementation is None:
+    return "xla"
+  if implementation not in _IMPLEMENTATIONS:
+    planned = " (not available yet)" if implementation in _PLANNED else ""
+    raise ValueError(
+        f"implementation must be None or one of {sorted(_IMPLEMENTATIONS)}, "
+        f"got {implementation!r}{planned}")
+  return implementation
+
+
+def dot_product_attention(
+    query, key, value, bias=None, mask=None, *,
+    scale=None, is_causal=False,
+    query_seq_lengths=None, key_value_seq_lengths=None,
+    local_window_size=None,
+    q_segment_ids=None, kv_segment_ids=None,
+    layout="BTNH",
+    implementation=None,
+    dropout_rate=0.0, dropout_rng=None,
+    return_weights=False):
+  """Scaled dot-product attention over a batch of multi-head sequences.
+
+  Takes the arrays of `jax.nn.dot_product_attention` and gives the same result:
+  query [B, T, N, H], key [B, S, K, H], value [B, S, K, D] -> out [B, T, N, D]
+  (the batch axis may be absent). N % K == 0: each of the K kv heads serves
+  G = N // K query heads (grouped-query attention; K == 1 is multi-query).
+
+  Args:
+    query, key, value: arrays in `layout` (key/value with S for T).
+    bias: float, added to the logits; broadcastable to [B, N, T, S].
+    mask: bool, True = may attend; broadcastable to [B, N, T, S].
+    scale: multiplies the logits; 1 / sqrt(H) by default.
+    is_causal: query i attends keys j <= i (aligned at the start, as jax.nn).
+    query_seq_lengths, key_value_seq_lengths: int [B]; positions past the
+      length are padding.
+    local_window_size: int w or (left, right): query i attends keys
+      i - left <= j <= i + right.
+    q_segment_ids, kv_segment_ids: int [B, T] and [B, S]: packed sequences,
+      a query attends only keys of its own segment.
+    layout: the axis order of query, key, value and output, any order of the
+      letters B, T, N, H: "BTNH" (jax.nn's), "BNTH" (PyTorch's), "BNHT"
+      (tokens as columns), or without B.
+    implementation: None (the best for the platform), "xla" (einsum) or
+      "vmap" (single-head attention under jax.vmap).
+    dropout_rate, dropout_rng: dropout on the attention weights, with inverted
+      scaling; the same rng gives the same result.
+    return_weights: also return the softmax weights [B, N, T, S] (before dropout).
+
+  A query that may attend to no key returns zeros, with finite gradients.
+  Logits and softmax are computed in float32; the output has value's dtype.
+  """
+  impl = _choose_implementation(implementation)
+  query = _checks.float_array("query", query)
+  key = _checks.float_array("key", key)
+  value = _checks.float_array("value", value)
+  lay = parse_layout(layout, query.shape)
+  dims = _check_arrays(query, key, value, lay)
+  B, T, S, N = dims["B"], dims["T"], dims["S"], dims["N"]
+  target = (B, N, T, S)
+  legend = "[B, N, T, S]" if lay.has_batch else "[N, T, S]"
+  mask = _checks.broadcastable("mask", mask, target if lay.has_batch else target[1:],
+                               legend, "bool")
+  bias = _checks.broadcastable("bias", bias, target if lay.has_batch else target[1:],
+                               legend, "float")
+  q_lengths = _lengths("query_seq_lengths", query_seq_lengths, B, lay.has_batch)
+  kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, B, lay.has_batch)
+  q_ids, kv_ids = _segment_ids(q_segment_ids, kv_segment_ids, B, T, S, lay.has_batch)
+  window = _local_window(local_window_size)
+  if scale is None:
+    scale = default_scale(dims["H"])
+  _check_dropout(dropout_rate, dropout_rng)
+  if not isinstance(is_causal, bool):
+    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+
+  if not lay.has_batch:
+    query, key, value = (x[None] for x in (query, key, value))
+    lay = Layout("B" + lay.query)
+  mask = None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
+  bias = None if bias is None else jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
+
+  out, weights = _compute(
+      query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
+      scale, dropout_rng, is_causal=is_causal, window=window,
+      dropout_rate=float(dropout_rate), layout=lay, impl=impl)
+  if not dims["has_batch"]:
+    out, weights = out[0], weights[0]
+  return (out, weights) if return_weights else out
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "is_causal", "window", "dropout_rate", "layout", "impl"))
+def _compute(query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
+             scale, dropout_rng, *, is_causal, window, dropout_rate, layout, impl):
+  T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
+  B, N = query.shape[layout.axis("B")], query.shape[layout.axis("N")]
+  spec = MaskSpec(is_causal=is_causal, local_window=window,
+                  q_lengths=q_lengths, kv_lengths=kv_lengths,
+                  q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  mask = combine_masks(mask, spec.full(T, S))
+  keep = None
+  if dropout_rate > 0.0:
+    kept = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (B, N, T, S))
+    # Inverted dropout: kept weights are scaled up so that E[keep] = 1.
+    keep = jnp.where(kept, jnp.float32(1.0 / (1.0 - dropout_rate)), jnp.float32(0.0))
+  return _IMPLEMENTATIONS[impl](query, key, value, mask, bias, keep, scale, layout)
+
+
+def _check_arrays(query, key, value, lay: Layout) -> dict:
+  """Ranks, shared batch/length/depth, N % K and dtypes; returns the sizes."""
+  for name, x, sub in (("key", key, lay.key), ("value", value, lay.value)):
+    if x.ndim != len(sub):
+      raise ValueError(f"{name}: expected rank {len(sub)} [{', '.join(sub)}] for layout "
+                       f"{lay.query!r}, got shape {x.shape} (query has shape {query.shape})")
+  ax = lay.axis
+  _checks.equal_dim("length S", "key", key.shape, ax("S"), "value", value.shape, ax("S"))
+  _checks.equal_dim("kv heads K", "key", key.shape, ax("K"), "value", value.shape, ax("K"))
+  _checks.equal_dim("depth H", "query", query.shape, ax("H"), "key", key.shape, ax("H"))
+  if lay.has_batch:
+    _checks.equal_dim("batch B", "query", query.shape, ax("B"), "key", key.shape, ax("B"))
+    _checks.equal_dim("batch B", "key", key.shape, ax("B"), "value", value.shape, ax("B"))
+  N, K = query.shape[ax("N")], key.shape[ax("K")]
+  if K == 0 or N % K != 0:
+    raise ValueError(f"num heads N of query must be a multiple of kv heads K of key "
+                     f"(N % K == 0): query has shape {query.shape} (N={N}), key has "
+                     f"shape {key.shape} (K={K})")
+  _checks.same_dtype(query, key, value)
+  return dict(B=query.shape[ax("B")] if lay.has_batch else 1, T=query.shape[ax("T")],
+              S=key.shape[ax("S")], N=N, K=K, H=query.shape[ax("H")],
+              has_batch=lay.has_batch)
+
+
+def _int_array(name: str, x, expected: tuple[int, ...], legend: str) -> jax.Array:
+  x = _checks.as_array(name, x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {x.dtype} "
+                    f"with shape {x.shape}")
+  if x.shape != expected:
+    raise ValueError(f"{name}: expected shape {legend} = {expected}, got shape {x.shape}")
+  return x
+
+
+def _lengths(name, lengths, B, has_batch):
+  if lengths is None:
+    return None
+  if not has_batch:
+    return _int_array(name, lengths, (), "[] (no batch axis)")[None]
+  return _int_array(name, lengths, (B,), "[B]")
+
+
+def _segment_ids(q_ids, kv_ids, B, T, S, has_batch):
+  if (q_ids is None) != (kv_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together, got "
+                     f"q_segment_ids={None if q_ids is None else 'array'}, "
+                     f"kv_segment_ids={None if kv_ids is None else 'array'}")
+  if q_ids is None:
+    return None, None
+  if not has_batch:
+    return (_int_array("q_segment_ids", q_ids, (T,), "[T]")[None],
+            _int_array("kv_segment_ids", kv_ids, (S,), "[S]")[None])
+  return (_int_array("q_segment_ids", q_ids, (B, T), "[B, T]"),
+          _int_array("kv_segment_ids", kv_ids, (B, S), "[B, S]"))
+
+
+def _local_window(window) -> tuple[int, int] | None:
+  if window is None:
+    return None
+  pair = (window, window) if isinstance(window, int) else window
+  if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+      or not all(isinstance(w, int) and not isinstance(w, bool) for w in pair)):
+    raise TypeError(f"local_window_size must be an int or a pair of ints "
+                    f"(left, right), got {window!r}")
+  if min(pair) < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {window!r}")
+  return (int(pair[0]), int(pair[1]))
+
+
+def _check_dropout(rate, rng) -> None:
+  if not isinstance(rate, (int, float)) or isinstance(rate, bool):
+    raise TypeError(f"dropout_rate must be a float in [0, 1), got {rate!r}")
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {rate!r}")
+  if rate > 0.0 and rng is None:
+    raise ValueError(f"dropout_rng is required when dropout_rate > 0 "
+                     f"(dropout_rate={rate!r}, dropout_rng=None)")

@@ -1,0 +1,30 @@
+"""Softmax over attention logits in float32, safe for rows that see no key."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite, not -inf: a row whose every key is masked then gives a finite softmax
+# (and finite gradients) instead of NaN from exp(-inf - -inf). 0.7 of the
+# float32 maximum leaves head-room for adding a bias or subtracting the row max.
+LARGE_NEGATIVE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array | None, axis: int) -> jax.Array:
+  """Softmax of float32 `logits` along `axis`; entries where `mask` is False get 0.
+
+  A row with no True entry in `mask` returns all zeros.
+  """
+  if mask is None:
+    return jax.nn.softmax(logits, axis=axis)
+  weights = jax.nn.softmax(jnp.where(mask, logits, LARGE_NEGATIVE), axis=axis)
+  # Zeroing after the softmax is what makes a fully masked row zero; elsewhere
+  # the masked entries are already exactly 0 after exp underflows.
+  return jnp.where(mask, weights, 0.0)
+
+
+def logits_dtype(dtype) -> np.dtype:
+  """float32 for half precision inputs; float64 stays float64."""
+  return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)

@@ -1,0 +1,61 @@
+"""The "vmap" implementation: single-head `attention` mapped over groups, kv heads, batch.
+
+The same computation as the einsum formulation in `_xla.py`, built the other
+way: from the one-head matrix version (itself the vector version under vmap)
+by three more `jax.vmap`s. The G query heads that share a kv head are one
+vmap with the key and value unmapped, so K/V are never copied.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn._attention import attention_with_weights
+from jattn._layout import Layout
+from jattn._xla import grouped_logical, split_heads
+
+
+def _full(x, shape):
+  """Logical [B|1, K|1, G|1, T, S] broadcast to the full grid, or None."""
+  return None if x is None else jnp.broadcast_to(x, shape)
+
+
+def vmapped_attention(query, key, value, mask, bias, keep, scale, layout: Layout):
+  """Batched multi-head attention from single-head attention and jax.vmap.
+
+  Arguments and results as `_xla.xla_attention`.
+  """
+  K = key.shape[layout.axis("K")]
+  N = query.shape[layout.axis("N")]
+  B = query.shape[layout.axis("B")]
+  T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
+  query = split_heads(query, layout.axis("N"), K)
+  q_sub, k_sub, v_sub = layout.grouped(layout.query), layout.key, layout.value
+  out_sub = layout.grouped(layout.out)
+  # One head sees [T, H] (tokens as rows) or [H, T] (tokens as columns).
+  single_layout = "rows" if q_sub.index("T") < q_sub.index("H") else "columns"
+
+  logical = [_full(grouped_logical(x, K), (B, K, N // K, T, S)) for x in (mask, bias, keep)]
+  if single_layout == "columns":
+    logical = [None if x is None else jnp.swapaxes(x, -1, -2) for x in logical]
+
+  def one_head(q, k, v, m, b, d):
+    return attention_with_weights(q, k, v, m, b, d, scale, single_layout)
+
+  fn = one_head
+  # Innermost map first: groups (G), then kv heads (K), then batch (B). Each
+  # level's axes are positions in the subscripts with the outer letters removed.
+  for letter, outer in (("G", "BK"), ("K", "B"), ("B", "")):
+    strip = lambda s: "".join(c for c in s if c not in outer)
+    axis = lambda s: strip(s).index(letter) if letter in s else None
+    fn = jax.vmap(fn,
+                  in_axes=(axis(q_sub), axis(k_sub), axis(v_sub), 0, 0, 0),
+                  out_axes=(axis(out_sub), 0))
+  out, weights = fn(query, key, value, *logical)  # weights [B, K, G, T|S, S|T]
+
+  if single_layout == "columns":
+    weights = jnp.swapaxes(weights, -1, -2)
+  n = layout.axis("N")
+  out = out.reshape(out.shape[:n] + (N,) + out.shape[n + 2:])
+  return out, weights.reshape((B, N, T, S))

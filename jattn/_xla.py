@@ -1,0 +1,56 @@
+"""The "xla" implementation: two einsums whose subscripts are the layout's letters.
+
+For layout "BTNH" the logits are 'BTKGH,BSKH->BKGTS' and the output
+'BKGTS,BSKD->BTKGD': the N query heads are split into K kv heads of G groups
+by a reshape (no copy of K/V), and no input is transposed to a canonical layout.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jattn._layout import Layout
+from jattn._softmax import logits_dtype, masked_softmax
+
+_LOGITS = "BKGTS"
+
+
+def split_heads(x: jax.Array, axis: int, num_kv_heads: int) -> jax.Array:
+  """Reshapes the heads axis N into (K, G) in place."""
+  N = x.shape[axis]
+  return x.reshape(x.shape[:axis] + (num_kv_heads, N // num_kv_heads) + x.shape[axis + 1:])
+
+
+def grouped_logical(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
+  """[B|1, N|1, T, S] -> [B|1, K|1, G|1, T, S], to broadcast against the logits."""
+  if x is None:
+    return None
+  if x.shape[1] == 1:
+    return x[:, :, None]
+  return split_heads(x, 1, num_kv_heads)
+
+
+def xla_attention(query, key, value, mask, bias, keep, scale, layout: Layout):
+  """Batched multi-head attention; mask, bias, keep in logical [B|1, N|1, T, S].
+
+  Returns (out in the layout with D for H, weights [B, N, T, S]).
+  """
+  K = key.shape[layout.axis("K")]
+  N = query.shape[layout.axis("N")]
+  q_sub = layout.grouped(layout.query)
+  out_sub = layout.grouped(layout.out)
+  dtype = logits_dtype(query.dtype)
+  query = split_heads(query, layout.axis("N"), K)
+
+  # logits [B, K, G, T, S]
+  logits = jnp.einsum(f"{q_sub},{layout.key}->{_LOGITS}", query, key,
+                      preferred_element_type=dtype) * scale
+  if bias is not None:
+    logits = logits + grouped_logical(bias, K).astype(dtype)
+  weights = masked_softmax(logits, grouped_logical(mask, K), axis=-1)
+  used = weights if keep is None else weights * grouped_logical(keep, K).astype(dtype)
+  out = jnp.einsum(f"{_LOGITS},{layout.value}->{out_sub}", used.astype(value.dtype),
+                   value, preferred_element_type=dtype)
+  out = out.reshape(out.shape[:layout.axis("N")] + (N,) + out.shape[layout.axis("N") + 2:])
+  return out.astype(value.dtype), weights.reshape(weights.shape[:1] + (N,) + weights.shape[3:])
