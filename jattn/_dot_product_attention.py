@@ -10,11 +10,15 @@ import jax.numpy as jnp
 from jattn import _checks
 from jattn._attend import default_scale
 from jattn._layout import Layout, parse_layout
-from jattn._masks import MaskSpec, combine_masks
+from jattn._dense import Dropout
+from jattn._masks import MaskSpec
 from jattn._vmapped import vmapped_attention
 from jattn._xla import xla_attention
 
-# name -> function(query, key, value, mask, bias, keep, scale, layout) -> (out, weights)
+# name -> function(query, key, value, bias, mask, spec, dropout, scale, layout)
+#   -> (out, weights). mask is the user's, [B|1, N|1, T, S]; spec holds the
+#   structural masks (causal, window, lengths, segments), left for each
+#   implementation to apply densely or block by block.
 _IMPLEMENTATIONS = {
     "xla": xla_attention,
     "vmap": vmapped_attention,
@@ -116,18 +120,11 @@ def dot_product_attention(
     "is_causal", "window", "dropout_rate", "layout", "impl"))
 def _compute(query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
              scale, dropout_rng, *, is_causal, window, dropout_rate, layout, impl):
-  T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
-  B, N = query.shape[layout.axis("B")], query.shape[layout.axis("N")]
   spec = MaskSpec(is_causal=is_causal, local_window=window,
                   q_lengths=q_lengths, kv_lengths=kv_lengths,
                   q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-  mask = combine_masks(mask, spec.full(T, S))
-  keep = None
-  if dropout_rate > 0.0:
-    kept = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, (B, N, T, S))
-    # Inverted dropout: kept weights are scaled up so that E[keep] = 1.
-    keep = jnp.where(kept, jnp.float32(1.0 / (1.0 - dropout_rate)), jnp.float32(0.0))
-  return _IMPLEMENTATIONS[impl](query, key, value, mask, bias, keep, scale, layout)
+  dropout = Dropout(dropout_rate, dropout_rng) if dropout_rate > 0.0 else None
+  return _IMPLEMENTATIONS[impl](query, key, value, bias, mask, spec, dropout, scale, layout)
 
 
 def _check_arrays(query, key, value, lay: Layout) -> dict:

@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jattn._attention import attention_with_weights
+from jattn._dense import Dropout, dense_mask_and_keep
 from jattn._layout import Layout
+from jattn._masks import MaskSpec
 from jattn._xla import grouped_logical, split_heads
 
 
@@ -21,7 +23,8 @@ def _full(x, shape):
   return None if x is None else jnp.broadcast_to(x, shape)
 
 
-def vmapped_attention(query, key, value, mask, bias, keep, scale, layout: Layout):
+def vmapped_attention(query, key, value, bias, mask, spec: MaskSpec,
+                      dropout: Dropout | None, scale, layout: Layout):
   """Batched multi-head attention from single-head attention and jax.vmap.
 
   Arguments and results as `_xla.xla_attention`.
@@ -30,6 +33,7 @@ def vmapped_attention(query, key, value, mask, bias, keep, scale, layout: Layout
   N = query.shape[layout.axis("N")]
   B = query.shape[layout.axis("B")]
   T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
+  mask, keep = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
   query = split_heads(query, layout.axis("N"), K)
   q_sub, k_sub, v_sub = layout.grouped(layout.query), layout.key, layout.value
   out_sub = layout.grouped(layout.out)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn._dense import Dropout, dense_mask_and_keep
 from jattn._layout import Layout
+from jattn._masks import MaskSpec
 from jattn._softmax import logits_dtype, masked_softmax
 
 _LOGITS = "BKGTS"
@@ -31,13 +33,15 @@ def grouped_logical(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
   return split_heads(x, 1, num_kv_heads)
 
 
-def xla_attention(query, key, value, mask, bias, keep, scale, layout: Layout):
-  """Batched multi-head attention; mask, bias, keep in logical [B|1, N|1, T, S].
+def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
+                  dropout: Dropout | None, scale, layout: Layout):
+  """Batched multi-head attention; bias and mask in logical [B|1, N|1, T, S].
 
   Returns (out in the layout with D for H, weights [B, N, T, S]).
   """
-  K = key.shape[layout.axis("K")]
-  N = query.shape[layout.axis("N")]
+  B, N, T = (query.shape[layout.axis(c)] for c in "BNT")
+  S, K = (key.shape[layout.axis(c)] for c in "SK")
+  mask, keep = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
   q_sub = layout.grouped(layout.query)
   out_sub = layout.grouped(layout.out)
   dtype = logits_dtype(query.dtype)

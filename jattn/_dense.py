@@ -1,0 +1,35 @@
+"""The whole [B, N, T, S] mask and dropout grid, for implementations that hold it.
+
+Implementations that never hold the grid (blockwise) read the same MaskSpec
+block by block instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jattn._masks import MaskSpec, combine_masks
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+  """Dropout on the attention weights: keep each with probability 1 - rate."""
+
+  rate: float
+  rng: jax.Array
+
+  def multipliers(self, shape) -> jax.Array:
+    """float32 0 or 1 / (1 - rate), so that the expectation of each weight is kept."""
+    kept = jax.random.bernoulli(self.rng, 1.0 - self.rate, shape)
+    return jnp.where(kept, jnp.float32(1.0 / (1.0 - self.rate)), jnp.float32(0.0))
+
+
+def dense_mask_and_keep(mask, spec: MaskSpec, dropout: Dropout | None, B, N, T, S):
+  """The user's mask ANDed with the structural masks ([B|1, N|1, T, S] or None),
+  and the dropout multipliers [B, N, T, S] (or None)."""
+  mask = combine_masks(mask, spec.full(T, S))
+  keep = None if dropout is None else dropout.multipliers((B, N, T, S))
+  return mask, keep
