@@ -1,0 +1,23 @@
+"""Shared pytest setup for the jattn tests.
+
+Strict dtype promotion catches silent float32 -> float64 (or bf16 -> f32)
+promotions inside the library. Matmuls run at full float32 precision so
+float32 comparisons stay meaningful on accelerators with TF32 defaults.
+"""
+
+import pathlib
+import sys
+
+import jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: longer-running tests")
+
