@@ -17,6 +17,7 @@ Letters used in every shape and einsum string:
 from jattn._attend import attend
 from jattn._attention import attention, project_qkv
 from jattn._dot_product_attention import dot_product_attention
+from jattn._ring_attention import ring_attention
 from jattn._masks import (causal_mask, combine_masks, local_mask, padding_mask,
                           segment_mask)
 
@@ -29,6 +30,7 @@ __all__ = [
     "local_mask",
     "padding_mask",
     "project_qkv",
+    "ring_attention",
     "segment_mask",
 ]
 __version__ = "0.1.0"

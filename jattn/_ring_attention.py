@@ -1,0 +1,134 @@
+"""`ring_attention`: sequence-parallel attention over a mesh axis, with shard_map."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
+
+from jattn import _checks
+from jattn._attend import default_scale
+from jattn._dot_product_attention import _check_arrays, _lengths, _segment_ids
+from jattn._layout import Layout, parse_layout
+from jattn._ring import Ring, ring_core, zigzag_order
+from jattn._xla import split_heads
+
+
+def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
+                   scale: float | None = None, is_causal: bool = False,
+                   query_seq_lengths=None, key_value_seq_lengths=None,
+                   q_segment_ids=None, kv_segment_ids=None,
+                   layout: str = "BTNH", batch_axis_name: str | None = None,
+                   head_axis_name: str | None = None, load_balance: bool = True):
+  """Attention with the sequence sharded over `mesh` axis `axis_name` (ring attention).
+
+  Same arrays and result as `dot_product_attention` (query [B, T, N, H], key
+  [B, S, K, H], value [B, S, K, D] in `layout`), computed with `shard_map`:
+  T and S are split over the P devices of `axis_name`, each device keeps its
+  queries and the key/value blocks go round the ring (`jax.lax.ppermute`),
+  forward and backward, so a device holds one block of K/V at a time.
+
+  batch_axis_name / head_axis_name optionally shard B and the heads (N and K
+  together) over other mesh axes. With is_causal and load_balance, tokens are
+  dealt to devices in zig-zag order (chunks i and 2P-1-i) so every device does
+  equal work; the output comes back in the original order.
+
+  Requires T and S divisible by P (by 2P for the zig-zag order).
+  """
+  query = _checks.float_array("query", query)
+  key = _checks.float_array("key", key)
+  value = _checks.float_array("value", value)
+  lay = parse_layout(layout, query.shape)
+  dims = _check_arrays(query, key, value, lay)
+  B, T, S = dims["B"], dims["T"], dims["S"]
+  q_len = _lengths("query_seq_lengths", query_seq_lengths, B, lay.has_batch)
+  kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, B, lay.has_batch)
+  q_ids, kv_ids = _segment_ids(q_segment_ids, kv_segment_ids, B, T, S, lay.has_batch)
+  if not isinstance(is_causal, bool):
+    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  scale = default_scale(dims["H"]) if scale is None else scale
+  if not isinstance(scale, (int, float)):
+    raise TypeError(f"scale must be a Python float for ring_attention, got {scale!r}")
+  zigzag = is_causal and load_balance
+  num_devices = _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name,
+                            dims, 2 if zigzag else 1)
+
+  if not lay.has_batch:
+    query, key, value = (x[None] for x in (query, key, value))
+    lay = Layout("B" + lay.query)
+  out = _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids,
+                 mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
+                 head_axis_name=head_axis_name, num_devices=num_devices,
+                 scale=float(scale), is_causal=is_causal, zigzag=zigzag, layout=lay)
+  return out if dims["has_batch"] else out[0]
+
+
+def _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims, chunks) -> int:
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  for arg, name in (("axis_name", axis_name), ("batch_axis_name", batch_axis_name),
+                    ("head_axis_name", head_axis_name)):
+    if name is not None and name not in mesh.axis_names:
+      raise ValueError(f"{arg} {name!r} is not an axis of the mesh, whose axes are "
+                       f"{dict(mesh.shape)}")
+  P = mesh.shape[axis_name]
+  for letter, size in (("T", dims["T"]), ("S", dims["S"])):
+    if size % (chunks * P):
+      raise ValueError(
+          f"length {letter}={size} must be divisible by {chunks * P} "
+          f"({chunks} chunk(s) for each of the {P} devices of mesh axis {axis_name!r})")
+  for arg, name, letters in (("batch_axis_name", batch_axis_name, "B"),
+                             ("head_axis_name", head_axis_name, "NK")):
+    if name is None:
+      continue
+    for letter in letters:
+      if dims[letter] % mesh.shape[name]:
+        raise ValueError(f"{letter}={dims[letter]} must be divisible by the "
+                         f"{mesh.shape[name]} devices of {arg} {name!r}")
+  return P
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "mesh", "axis_name", "batch_axis_name", "head_axis_name", "num_devices",
+    "scale", "is_causal", "zigzag", "layout"))
+def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name,
+             batch_axis_name, head_axis_name, num_devices, scale, is_causal,
+             zigzag, layout: Layout):
+  T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
+  K = key.shape[layout.axis("K")]
+  if zigzag:
+    q_pos, kv_pos = zigzag_order(T, num_devices), zigzag_order(S, num_devices)
+    query = jnp.take(query, q_pos, axis=layout.axis("T"))
+    key = jnp.take(key, kv_pos, axis=layout.axis("S"))
+    value = jnp.take(value, kv_pos, axis=layout.axis("S"))
+    if q_ids is not None:
+      q_ids, kv_ids = jnp.take(q_ids, q_pos, axis=1), jnp.take(kv_ids, kv_pos, axis=1)
+  else:
+    q_pos, kv_pos = jnp.arange(T), jnp.arange(S)
+
+  mesh_axis = {"B": batch_axis_name, "T": axis_name, "S": axis_name,
+               "N": head_axis_name, "K": head_axis_name}
+  spec = lambda letters: PartitionSpec(*(mesh_axis.get(c) for c in letters))
+  local_kv_heads = K // (mesh.shape[head_axis_name] if head_axis_name else 1)
+  varying = tuple(a for a in (axis_name, batch_axis_name, head_axis_name) if a)
+  ring = Ring(axis_name, num_devices, varying, scale, is_causal, layout)
+
+  def local(q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len):
+    q = split_heads(q, layout.axis("N"), local_kv_heads)
+    out = ring_core(ring, q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len)
+    n = layout.axis("N")
+    return out.reshape(out.shape[:n] + (-1,) + out.shape[n + 2:])
+
+  # An absent (None) optional argument is an empty pytree: any spec fits it.
+  ids_spec = spec("BT")
+  out = jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(spec(layout.query), spec(layout.key), spec(layout.value),
+                spec("T"), spec("S"), ids_spec, ids_spec, spec("B"), spec("B")),
+      out_specs=spec(layout.out),
+  )(query, key, value, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len)
+  if zigzag:
+    out = jnp.take(out, jnp.argsort(q_pos), axis=layout.axis("T"))
+  return out
