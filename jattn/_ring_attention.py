@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
@@ -90,9 +88,9 @@ def _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims, chunks) 
   return P
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "mesh", "axis_name", "batch_axis_name", "head_axis_name", "num_devices",
-    "scale", "is_causal", "zigzag", "layout"))
+# Not wrapped in its own jax.jit with the mesh as a static argument: with jax
+# 0.10.2 that made the backward pass of a second mesh (same shapes) reuse the
+# first mesh's shardings and fail. Callers jit the whole step anyway.
 def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name,
              batch_axis_name, head_axis_name, num_devices, scale, is_causal,
              zigzag, layout: Layout):

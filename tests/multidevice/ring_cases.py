@@ -1,0 +1,95 @@
+"""Ring attention against single-device attention on 8 simulated CPU devices.
+
+Run by tests/test_ring.py in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8, so that the rest of the
+suite keeps one device. Exits non-zero, naming the case, on any mismatch.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+import jattn
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_default_matmul_precision", "highest")
+
+ATOL = 2e-5  # float32, values and gradients
+
+
+def transpose_to(x, layout):
+  src = "BTNH" if len(layout) == 4 else "TNH"
+  return jnp.transpose(x, [src.index(c) for c in layout])
+
+
+def check(name, ring_fn, ref_fn, arrays):
+  """Compares values and gradients (wrt query, key, value) of two attention functions."""
+  cotangent = jnp.asarray(np.random.default_rng(1).standard_normal(
+      ref_fn(*arrays).shape), jnp.float32)
+  loss = lambda fn: (lambda *a: jnp.sum(fn(*a) * cotangent))
+  # Compared in NumPy: the ring's results live on the mesh, the reference's on one device.
+  out, ref = np.asarray(ring_fn(*arrays)), np.asarray(ref_fn(*arrays))
+  grads = [np.asarray(g) for g in jax.grad(loss(ring_fn), argnums=(0, 1, 2))(*arrays)]
+  ref_grads = [np.asarray(g) for g in jax.grad(loss(ref_fn), argnums=(0, 1, 2))(*arrays)]
+  errors = [np.max(np.abs(out - ref))] + [
+      np.max(np.abs(g - r)) for g, r in zip(grads, ref_grads)]
+  ok = all(e <= ATOL for e in errors) and all(np.all(np.isfinite(g)) for g in grads)
+  print(f"{'ok  ' if ok else 'FAIL'} {name}: max |err| out, dq, dk, dv = "
+        + ", ".join(f"{e:.1e}" for e in errors), flush=True)
+  return ok
+
+
+def main():
+  assert jax.device_count() == 8, jax.devices()
+  rng = np.random.default_rng(0)
+  B, T, N, K, H, D = 2, 32, 4, 2, 8, 6
+  q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, T, K, D)), jnp.float32)
+  lengths = dict(query_seq_lengths=jnp.array([29, 5], jnp.int32),
+                 key_value_seq_lengths=jnp.array([17, 0], jnp.int32))
+  segments = dict(q_segment_ids=jnp.asarray(np.repeat([[0, 1, 1, 2]], B, 0).repeat(T // 4, 1)),
+                  kv_segment_ids=jnp.asarray(np.repeat([[0, 1, 1, 2]], B, 0).repeat(T // 4, 1)))
+  seq = Mesh(np.array(jax.devices()), ("seq",))
+  cube = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "model", "seq"))
+
+  cases = [
+      ("full, GQA, D != H", seq, {}, {}),
+      ("causal, zig-zag", seq, dict(is_causal=True), {}),
+      ("causal, contiguous", seq, dict(is_causal=True), dict(load_balance=False)),
+      ("causal + lengths (a row with no key)", seq, dict(is_causal=True, **lengths), {}),
+      ("lengths", seq, dict(lengths), {}),
+      ("causal + segments", seq, dict(is_causal=True, **segments), {}),
+      ("2x2x2 mesh: data, model, seq", cube, dict(is_causal=True, **lengths),
+       dict(batch_axis_name="data", head_axis_name="model")),
+  ]
+  ok = True
+  for name, mesh, common, ring_only in cases:
+    ring = lambda q, k, v: jattn.ring_attention(
+        q, k, v, mesh=mesh, axis_name="seq", **common, **ring_only)
+    ref = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="xla", **common)
+    ok &= check(name, ring, ref, (q, k, v))
+
+  for layout in ("BNHT", "BNTH", "TNH"):
+    arrays = [transpose_to(x if layout != "TNH" else x[0], layout) for x in (q, k, v)]
+    kwargs = dict(is_causal=True, layout=layout)
+    ring = lambda q, k, v: jattn.ring_attention(q, k, v, mesh=seq, axis_name="seq", **kwargs)
+    ref = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+    ok &= check(f"layout {layout}", ring, ref, arrays)
+
+  try:
+    jattn.ring_attention(q[:, :12], k[:, :12], v[:, :12], mesh=seq, is_causal=True)
+    print("FAIL indivisible length raised nothing")
+    ok = False
+  except ValueError as e:
+    good = "T=12" in str(e) and "16" in str(e)
+    print(f"{'ok  ' if good else 'FAIL'} indivisible length: {e}")
+    ok &= good
+  sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+  main()
