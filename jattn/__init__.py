@@ -16,12 +16,14 @@ Letters used in every shape and einsum string:
 
 from jattn._attend import attend
 from jattn._attention import attention, project_qkv
+from jattn._block_sizes import BlockSizes
 from jattn._dot_product_attention import dot_product_attention
 from jattn._ring_attention import ring_attention
 from jattn._masks import (causal_mask, combine_masks, local_mask, padding_mask,
                           segment_mask)
 
 __all__ = [
+    "BlockSizes",
     "attend",
     "attention",
     "causal_mask",

@@ -9,6 +9,10 @@ import jax.numpy as jnp
 
 from jattn import _checks
 from jattn._attend import default_scale
+from jattn._block_sizes import BlockSizes
+from jattn._blockwise_attention import blockwise_attention
+from jattn._choose import default_implementation
+from jattn._cudnn import cudnn_attention, cudnn_unsupported
 from jattn._layout import Layout, parse_layout
 from jattn._dense import Dropout
 from jattn._masks import MaskSpec
@@ -22,18 +26,42 @@ from jattn._xla import xla_attention
 _IMPLEMENTATIONS = {
     "xla": xla_attention,
     "vmap": vmapped_attention,
+    "blockwise": blockwise_attention,
+    "cudnn": cudnn_attention,
 }
-_PLANNED = ("blockwise", "cudnn")
 
 
-def _choose_implementation(implementation) -> str:
+def _check_implementation(implementation, block_sizes) -> None:
+  if implementation is not None and implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be None or one of {sorted(_IMPLEMENTATIONS)}, "
+                     f"got {implementation!r}")
+  if block_sizes is not None:
+    if not isinstance(block_sizes, BlockSizes):
+      raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), "
+                      f"got {block_sizes!r}")
+    if implementation not in (None, "blockwise"):
+      raise ValueError(f"block_sizes applies to implementation='blockwise' only, "
+                       f"got implementation={implementation!r}")
+
+
+def _resolve_implementation(implementation, block_sizes, *, platform, dims, dtype,
+                            dropout_rate, has_segments, return_weights, scale) -> str:
+  """The implementation to run; a ValueError when the chosen one cannot honour the call."""
+  if implementation is None and block_sizes is not None:
+    implementation = "blockwise"  # asking for block sizes is asking for blockwise
+  cudnn_reason = cudnn_unsupported(
+      platform=platform, dtype=dtype, H=dims["H"], D=dims["D"],
+      dropout_rate=dropout_rate, has_segments=has_segments, return_weights=return_weights)
+  if cudnn_reason is None and not isinstance(scale, (int, float)):
+    cudnn_reason = f"it takes a Python number as scale, got {type(scale).__name__}"
   if implementation is None:
-    return "xla"
-  if implementation not in _IMPLEMENTATIONS:
-    planned = " (not available yet)" if implementation in _PLANNED else ""
-    raise ValueError(
-        f"implementation must be None or one of {sorted(_IMPLEMENTATIONS)}, "
-        f"got {implementation!r}{planned}")
+    return default_implementation(platform=platform, T=dims["T"], S=dims["S"],
+                                  return_weights=return_weights, cudnn_reason=cudnn_reason)
+  if implementation == "cudnn" and cudnn_reason is not None:
+    raise ValueError(f"implementation='cudnn' cannot run this call: {cudnn_reason}")
+  if implementation == "blockwise" and return_weights:
+    raise ValueError("return_weights=True needs the [B, N, T, S] weights, which "
+                     "implementation='blockwise' never forms; use implementation='xla'")
   return implementation
 
 
@@ -46,7 +74,7 @@ def dot_product_attention(
     layout="BTNH",
     implementation=None,
     dropout_rate=0.0, dropout_rng=None,
-    return_weights=False):
+    return_weights=False, block_sizes=None):
   """Scaled dot-product attention over a batch of multi-head sequences.
 
   Takes the arrays of `jax.nn.dot_product_attention` and gives the same result:
@@ -69,16 +97,23 @@ def dot_product_attention(
     layout: the axis order of query, key, value and output, any order of the
       letters B, T, N, H: "BTNH" (jax.nn's), "BNTH" (PyTorch's), "BNHT"
       (tokens as columns), or without B.
-    implementation: None (the best for the platform), "xla" (einsum) or
-      "vmap" (single-head attention under jax.vmap).
+    implementation: None (the fastest correct one for the platform and shape:
+      on CPU "blockwise" from T * S >= 1024 * 1024 and "xla" below; on GPU
+      "cudnn" where it applies), "xla" (einsum), "vmap" (single-head attention
+      under jax.vmap), "blockwise" (flash-style, memory linear in T and S,
+      no weights) or "cudnn" (jax.nn's fused GPU kernel; a ValueError where it
+      cannot honour the arguments).
     dropout_rate, dropout_rng: dropout on the attention weights, with inverted
       scaling; the same rng gives the same result.
     return_weights: also return the softmax weights [B, N, T, S] (before dropout).
+    block_sizes: `jattn.BlockSizes(q=..., kv=...)` for "blockwise" (implies it
+      when implementation is None); the platform's default when None. Its
+      dropout draw depends on the block sizes.
 
   A query that may attend to no key returns zeros, with finite gradients.
   Logits and softmax are computed in float32; the output has value's dtype.
   """
-  impl = _choose_implementation(implementation)
+  _check_implementation(implementation, block_sizes)
   query = _checks.float_array("query", query)
   key = _checks.float_array("key", key)
   value = _checks.float_array("value", value)
@@ -100,6 +135,10 @@ def dot_product_attention(
   _check_dropout(dropout_rate, dropout_rng)
   if not isinstance(is_causal, bool):
     raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  impl = _resolve_implementation(
+      implementation, block_sizes, platform=jax.devices()[0].platform, dims=dims,
+      dtype=query.dtype, dropout_rate=float(dropout_rate),
+      has_segments=q_ids is not None, return_weights=return_weights, scale=scale)
 
   if not lay.has_batch:
     query, key, value = (x[None] for x in (query, key, value))
@@ -110,21 +149,30 @@ def dot_product_attention(
   out, weights = _compute(
       query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
       scale, dropout_rng, is_causal=is_causal, window=window,
-      dropout_rate=float(dropout_rate), layout=lay, impl=impl)
+      dropout_rate=float(dropout_rate), layout=lay, impl=impl, block_sizes=block_sizes,
+      static_scale=scale if impl == "cudnn" else None)
   if not dims["has_batch"]:
-    out, weights = out[0], weights[0]
+    out = out[0]
+    weights = None if weights is None else weights[0]
   return (out, weights) if return_weights else out
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "is_causal", "window", "dropout_rate", "layout", "impl"))
+    "is_causal", "window", "dropout_rate", "layout", "impl", "block_sizes",
+    "static_scale"))
 def _compute(query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
-             scale, dropout_rng, *, is_causal, window, dropout_rate, layout, impl):
+             scale, dropout_rng, *, is_causal, window, dropout_rate, layout, impl,
+             block_sizes, static_scale):
   spec = MaskSpec(is_causal=is_causal, local_window=window,
                   q_lengths=q_lengths, kv_lengths=kv_lengths,
                   q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   dropout = Dropout(dropout_rate, dropout_rng) if dropout_rate > 0.0 else None
-  return _IMPLEMENTATIONS[impl](query, key, value, bias, mask, spec, dropout, scale, layout)
+  fn = _IMPLEMENTATIONS[impl]
+  if impl == "blockwise":
+    fn = functools.partial(fn, block_sizes=block_sizes)
+  if static_scale is not None:  # cuDNN takes the scale as a Python number
+    scale = static_scale
+  return fn(query, key, value, bias, mask, spec, dropout, scale, layout)
 
 
 def _check_arrays(query, key, value, lay: Layout) -> dict:
@@ -148,6 +196,7 @@ def _check_arrays(query, key, value, lay: Layout) -> dict:
   _checks.same_dtype(query, key, value)
   return dict(B=query.shape[ax("B")] if lay.has_batch else 1, T=query.shape[ax("T")],
               S=key.shape[ax("S")], N=N, K=K, H=query.shape[ax("H")],
+              D=value.shape[ax("D")],
               has_batch=lay.has_batch)
 
 

@@ -1,0 +1,83 @@
+"""The "blockwise" implementation: `_blockwise.forward` with a custom VJP.
+
+The forward saves only the output and the log-sum-exp [B, N, T]; the
+backward recomputes each block's weights from them (`_blockwise.backward`),
+so memory stays linear in T and S in both passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from jattn import _blockwise
+from jattn._block_sizes import BlockSizes, default_block_sizes
+from jattn._dense import Dropout
+from jattn._layout import Layout
+from jattn._masks import MaskSpec
+
+
+def blockwise_attention(query, key, value, bias, mask, spec: MaskSpec,
+                        dropout: Dropout | None, scale, layout: Layout, *,
+                        block_sizes: BlockSizes | None = None):
+  """Arguments as `_xla.xla_attention`; returns (out, None): no weights are formed."""
+  if block_sizes is None:
+    block_sizes = default_block_sizes(jax.devices()[0].platform)
+  static = _Static(is_causal=spec.is_causal, local_window=spec.local_window,
+                   dropout_rate=None if dropout is None else dropout.rate,
+                   layout=layout, block_sizes=block_sizes)
+  arrays = dict(q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,
+                q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
+                rng=None if dropout is None else dropout.rng, scale=scale)
+  return _attention(static, query, key, value, bias, mask, arrays), None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The hashable (non-array) configuration of one call."""
+
+  is_causal: bool
+  local_window: tuple[int, int] | None
+  dropout_rate: float | None
+  layout: Layout
+  block_sizes: BlockSizes
+
+
+def _unpack(static: _Static, arrays):
+  spec = MaskSpec(is_causal=static.is_causal, local_window=static.local_window,
+                  q_lengths=arrays["q_lengths"], kv_lengths=arrays["kv_lengths"],
+                  q_segment_ids=arrays["q_segment_ids"],
+                  kv_segment_ids=arrays["kv_segment_ids"])
+  dropout = (None if static.dropout_rate is None
+             else Dropout(static.dropout_rate, arrays["rng"]))
+  return spec, dropout, arrays["scale"]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, query, key, value, bias, mask, arrays):
+  out, _ = _forward(static, query, key, value, bias, mask, arrays)
+  return out
+
+
+def _forward(static, query, key, value, bias, mask, arrays):
+  spec, dropout, scale = _unpack(static, arrays)
+  out, lse = _blockwise.forward(query, key, value, bias, mask, spec, dropout, scale,
+                                static.layout, 0, 0, static.block_sizes)
+  return out, (query, key, value, bias, mask, arrays, out, lse)
+
+
+def _backward(static, residuals, d_out):
+  query, key, value, bias, mask, arrays, out, lse = residuals
+  spec, dropout, scale = _unpack(static, arrays)
+  d_query, d_key, d_value, d_bias = _blockwise.backward(
+      query, key, value, bias, mask, spec, dropout, scale, static.layout, 0, 0,
+      static.block_sizes, out, lse, d_out)
+  d_bias = None if bias is None else d_bias.astype(bias.dtype)
+  zeros = jax.tree_util.tree_map(lambda _: None, arrays)
+  return (d_query.astype(query.dtype), d_key.astype(key.dtype),
+          d_value.astype(value.dtype), d_bias, None, zeros)
+
+
+_attention.defvjp(_forward, _backward)
