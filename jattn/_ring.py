@@ -6,10 +6,14 @@ step it attends to the key/value block in hand, folds the result into a running
 `jax.lax.ppermute`. After P steps every query has met every key, and no device
 ever held more than one block of K/V.
 
+Within a device, each step is the blockwise implementation's raw forward over
+(local queries x visiting K/V), so memory is linear in the block lengths, and
+blocks that the causal, length or segment masks rule out are skipped.
+
 The backward pass (a custom VJP) is a second trip around the ring: each K/V
 block travels with its own gradient accumulators dK, dV; every device adds its
-queries' contribution, recomputing the block's weights from the saved lse, and
-after P hops the accumulators are home.
+queries' contribution with the blockwise backward, which recomputes the
+weights from the saved lse, and after P hops the accumulators are home.
 
 Causal load balance (zig-zag): with a causal mask, contiguous blocks would
 leave device 0 idle (its queries see one block) while device P-1 works on P.
@@ -26,12 +30,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jattn import _blockwise
+from jattn._block_sizes import BlockSizes
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
 from jattn._softmax import LARGE_NEGATIVE
 
-_LOGITS = "BKGTS"
-_ROWS = "BKGT"  # one value per query row: lse, delta
+_ROWS = "BNT"  # one value per query row and head: lse
 
 
 def zigzag_order(length: int, num_devices: int) -> jax.Array:
@@ -42,83 +47,17 @@ def zigzag_order(length: int, num_devices: int) -> jax.Array:
   return jnp.stack([first, second], axis=1).reshape(length)
 
 
-class _Subscripts:
-  """Einsum subscripts of one device's blocks, from the layout letters."""
-
-  def __init__(self, layout: Layout):
-    self.layout = layout
-    self.q = layout.grouped(layout.query)  # e.g. BTKGH
-    self.k = layout.key  # BSKH
-    self.v = layout.value  # BSKD
-    self.out = layout.grouped(layout.out)  # BTKGD
-    self.out_rows = self.out.replace("D", "")  # BTKG: out without its depth
-
-
-def _rows_like_out(rows: jax.Array, sub: _Subscripts) -> jax.Array:
-  """[B, K, G, T] -> broadcastable against out (the out layout with D of size 1)."""
-  arranged = jnp.einsum(f"{_ROWS}->{sub.out_rows}", rows)
-  return jnp.expand_dims(arranged, sub.out.index("D"))
-
-
-def _block_logits(q, k, mask, scale, sub: _Subscripts):
-  # logits [B, K, G, t, s], float32
-  logits = jnp.einsum(f"{sub.q},{sub.k}->{_LOGITS}", q, k,
-                      preferred_element_type=jnp.float32) * scale
-  if mask is not None:
-    logits = jnp.where(mask[:, :, None], logits, LARGE_NEGATIVE)
-  return logits
-
-
-def _block_forward(q, k, v, mask, scale, sub: _Subscripts):
-  """One query block against one K/V block -> (out normalised in the block, lse).
-
-  out in the out layout, float32; lse [B, K, G, t]. A row with no visible key
-  in this block gets out 0 and lse about LARGE_NEGATIVE, so it weighs nothing
-  when blocks are combined.
-  """
-  logits = _block_logits(q, k, mask, scale, sub)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  weights = jnp.exp(logits - lse[..., None])
-  if mask is not None:
-    weights = jnp.where(mask[:, :, None], weights, 0.0)
-  out = jnp.einsum(f"{_LOGITS},{sub.v}->{sub.out}", weights.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  return out, lse
-
-
-def _block_backward(q, k, v, mask, scale, sub: _Subscripts, lse, delta, d_out):
-  """Gradients of one block pair, given the final lse and delta = rowsum(dO * O)."""
-  logits = _block_logits(q, k, mask, scale, sub)
-  weights = jnp.exp(logits - lse[..., None])  # the final softmax weights of this block
-  if mask is not None:
-    weights = jnp.where(mask[:, :, None], weights, 0.0)
-  d_out = d_out.astype(jnp.float32)
-  d_v = jnp.einsum(f"{_LOGITS},{sub.out}->{sub.v}", weights, d_out)
-  d_weights = jnp.einsum(f"{sub.out},{sub.v}->{_LOGITS}", d_out, v.astype(jnp.float32))
-  d_logits = weights * (d_weights - delta[..., None]) * scale
-  d_q = jnp.einsum(f"{_LOGITS},{sub.k}->{sub.q}", d_logits, k.astype(jnp.float32))
-  d_k = jnp.einsum(f"{_LOGITS},{sub.q}->{sub.k}", d_logits, q.astype(jnp.float32))
-  return d_q, d_k, d_v
-
-
-def _combine(out_a, lse_a, out_b, lse_b, sub: _Subscripts):
-  """Merges two partial softmax results over disjoint key sets by their lse."""
-  lse = jnp.logaddexp(lse_a, lse_b)
-  out = (out_a * _rows_like_out(jnp.exp(lse_a - lse), sub)
-         + out_b * _rows_like_out(jnp.exp(lse_b - lse), sub))
-  return out, lse
-
-
 @dataclasses.dataclass(frozen=True)
 class Ring:
   """The static description of one ring: mesh axis, its size, and the math."""
 
   axis_name: str  # the mesh axis the sequence is sharded over
   num_devices: int  # P, the size of that axis
-  varying_axes: tuple[str, ...]  # every mesh axis the local blocks differ over
+  chunks: int  # contiguous chunks per device: 2 in zig-zag order, else 1
   scale: float
   is_causal: bool
   layout: Layout
+  block_sizes: BlockSizes
 
   def pass_on(self, x):
     """Hands x (a pytree) to the next device on the ring: device i -> i + 1."""
@@ -126,77 +65,108 @@ class Ring:
     return jax.tree.map(lambda a: jax.lax.ppermute(a, self.axis_name, perm), x)
 
   def fresh(self, shape, fill=0.0) -> jax.Array:
-    """A float32 accumulator marked as varying over the mesh axes, so that
-    shard_map's type check accepts it as a loop carry."""
-    return jax.lax.pcast(jnp.full(shape, fill, jnp.float32), self.varying_axes,
-                         to="varying")
+    """A float32 accumulator."""
+    return jnp.full(shape, fill, jnp.float32)
 
-  def mask(self, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len):
-    """bool [B|1, 1, t, s] of one block pair from global token positions, or None."""
-    spec = MaskSpec(is_causal=self.is_causal, q_lengths=q_len, kv_lengths=kv_len,
+  def split(self, x, letter: str, axis: int | None = None):
+    """The local chunks of x along the layout axis of `letter` (or `axis`)."""
+    axis = self.layout.axis(letter) if axis is None else axis
+    return jnp.split(x, self.chunks, axis=axis) if x is not None else [None] * self.chunks
+
+  def merge(self, xs, letter: str):
+    return jnp.concatenate(xs, axis=self.layout.axis(letter))
+
+  def spec(self, q_ids, kv_ids, q_len, kv_len) -> MaskSpec:
+    return MaskSpec(is_causal=self.is_causal, q_lengths=q_len, kv_lengths=kv_len,
                     q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-    return spec.block(q_pos, kv_pos, q_ids, kv_ids)
+
+
+def _rows_like_out(rows: jax.Array, layout: Layout) -> jax.Array:
+  """lse-like [B, N, T] -> broadcastable against out (the out layout, D of size 1)."""
+  out_rows = layout.out.replace("D", "")
+  return jnp.expand_dims(jnp.einsum(f"{_ROWS}->{out_rows}", rows), layout.out.index("D"))
+
+
+def _combine(out_a, lse_a, out_b, lse_b, layout: Layout):
+  """Merges two partial softmax results over disjoint key sets by their lse."""
+  lse = jnp.logaddexp(lse_a, lse_b)
+  out = (out_a * _rows_like_out(jnp.exp(lse_a - lse), layout)
+         + out_b.astype(jnp.float32) * _rows_like_out(jnp.exp(lse_b - lse), layout))
+  return out, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring_core(ring: Ring, q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len):
+def ring_core(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len):
   """One device's share of ring attention; call inside shard_map.
 
-  q: the local queries in `ring.layout` with N split into K, G; k, v: the local
-  key/value blocks; q_pos [t] / kv_pos [s]: global positions of the local
-  tokens; q_ids [B, t] / kv_ids [B, s]: segment ids or None; q_len / kv_len
-  [B] or None. Returns the local output in the out layout (N still split).
+  q, k, v: the local blocks in `ring.layout`; q_offsets / kv_offsets int32
+  [chunks]: the global position of the first token of each local chunk;
+  q_ids [B, t] / kv_ids [B, s]: segment ids or None; q_len / kv_len [B]
+  (global lengths) or None. Returns the local output in the out layout.
   """
-  out, _ = _ring_forward(ring, q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len)
+  out, _ = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
   return out
 
 
-def _ring_forward(ring: Ring, q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len):
-  sub = _Subscripts(ring.layout)
-  size = dict(zip(sub.q, q.shape)) | dict(zip(sub.v, v.shape))
-  out = ring.fresh(tuple(size[c] for c in sub.out))
-  lse = ring.fresh(tuple(size[c] for c in _ROWS), LARGE_NEGATIVE)
+def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len):
+  lay = ring.layout
+  q_chunks, q_ids_chunks = ring.split(q, "T"), ring.split(q_ids, "T", axis=1)
+  size = dict(zip(lay.query, q_chunks[0].shape)) | dict(zip(lay.value, v.shape))
+  outs = [ring.fresh(tuple(size[c] for c in lay.out)) for _ in q_chunks]
+  lses = [ring.fresh(tuple(size[c] for c in _ROWS), LARGE_NEGATIVE) for _ in q_chunks]
 
   def step(_, carry):
-    out, lse, travelling = carry
-    k_blk, v_blk, kv_pos_blk, kv_ids_blk = travelling
-    mask = ring.mask(q_pos, kv_pos_blk, q_ids, kv_ids_blk, q_len, kv_len)
-    out_blk, lse_blk = _block_forward(q, k_blk, v_blk, mask, ring.scale, sub)
-    out, lse = _combine(out, lse, out_blk, lse_blk, sub)
-    return out, lse, ring.pass_on(travelling)
+    outs, lses, travelling = carry
+    k_blk, v_blk, kv_off, kv_ids_blk = travelling
+    outs, lses = list(outs), list(lses)
+    for a, (qa, qa_ids) in enumerate(zip(q_chunks, q_ids_chunks)):
+      for b, (kb, vb, kb_ids) in enumerate(zip(ring.split(k_blk, "S"), ring.split(v_blk, "S"),
+                                               ring.split(kv_ids_blk, "S", axis=1))):
+        out_ab, lse_ab = _blockwise.forward(
+            qa, kb, vb, None, None, ring.spec(qa_ids, kb_ids, q_len, kv_len), None,
+            ring.scale, lay, q_offsets[a], kv_off[b], ring.block_sizes)
+        outs[a], lses[a] = _combine(outs[a], lses[a], out_ab, lse_ab, lay)
+    return tuple(outs), tuple(lses), ring.pass_on(travelling)
 
-  out, lse, _ = jax.lax.fori_loop(0, ring.num_devices, step,
-                                  (out, lse, (k, v, kv_pos, kv_ids)))
-  return out.astype(v.dtype), lse
+  outs, lses, _ = jax.lax.fori_loop(
+      0, ring.num_devices, step, (tuple(outs), tuple(lses), (k, v, kv_offsets, kv_ids)))
+  return ring.merge(outs, "T").astype(v.dtype), jnp.concatenate(lses, axis=-1)
 
 
-def _ring_fwd(ring: Ring, q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len):
-  out, lse = _ring_forward(ring, q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len)
-  return out, (q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len, out, lse)
+def _ring_fwd(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len):
+  out, lse = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
+  return out, (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, out, lse)
 
 
 def _ring_bwd(ring: Ring, residuals, d_out):
-  q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len, out, lse = residuals
-  sub = _Subscripts(ring.layout)
-  # delta [B, K, G, t] = rowsum(dO * O): the softmax normaliser's share
-  delta = jnp.einsum(f"{sub.out},{sub.out}->{_ROWS}", d_out.astype(jnp.float32),
-                     out.astype(jnp.float32))
+  q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, out, lse = residuals
+  lay = ring.layout
+  q_parts = list(zip(ring.split(q, "T"), ring.split(q_ids, "T", axis=1),
+                     ring.split(out, "T"), jnp.split(lse, ring.chunks, axis=-1),
+                     ring.split(d_out, "T")))
 
   def step(_, carry):
-    d_q, travelling = carry
-    k_blk, v_blk, kv_pos_blk, kv_ids_blk, d_k_blk, d_v_blk = travelling
-    mask = ring.mask(q_pos, kv_pos_blk, q_ids, kv_ids_blk, q_len, kv_len)
-    dq_i, dk_i, dv_i = _block_backward(q, k_blk, v_blk, mask, ring.scale, sub,
-                                       lse, delta, d_out)
-    travelling = (k_blk, v_blk, kv_pos_blk, kv_ids_blk, d_k_blk + dk_i, d_v_blk + dv_i)
-    return d_q + dq_i, ring.pass_on(travelling)
+    d_qs, travelling = carry
+    k_blk, v_blk, kv_off, kv_ids_blk, d_k_blk, d_v_blk = travelling
+    d_qs = list(d_qs)
+    d_ks, d_vs = ring.split(d_k_blk, "S"), ring.split(d_v_blk, "S")
+    kv_parts = list(zip(ring.split(k_blk, "S"), ring.split(v_blk, "S"),
+                        ring.split(kv_ids_blk, "S", axis=1)))
+    for a, (qa, qa_ids, out_a, lse_a, d_out_a) in enumerate(q_parts):
+      for b, (kb, vb, kb_ids) in enumerate(kv_parts):
+        dq, dk, dv, _ = _blockwise.backward(
+            qa, kb, vb, None, None, ring.spec(qa_ids, kb_ids, q_len, kv_len), None,
+            ring.scale, lay, q_offsets[a], kv_off[b], ring.block_sizes, out_a, lse_a, d_out_a)
+        d_qs[a], d_ks[b], d_vs[b] = d_qs[a] + dq, d_ks[b] + dk, d_vs[b] + dv
+    travelling = (k_blk, v_blk, kv_off, kv_ids_blk, ring.merge(d_ks, "S"), ring.merge(d_vs, "S"))
+    return tuple(d_qs), ring.pass_on(travelling)
 
-  start = (k, v, kv_pos, kv_ids, ring.fresh(k.shape), ring.fresh(v.shape))
+  start = (k, v, kv_offsets, kv_ids, ring.fresh(k.shape), ring.fresh(v.shape))
+  d_qs = tuple(ring.fresh(part[0].shape) for part in q_parts)
   # P hops bring every block, with its accumulated gradients, back home.
-  d_q, (*_, d_k, d_v) = jax.lax.fori_loop(0, ring.num_devices, step,
-                                          (ring.fresh(q.shape), start))
-  # Positions, segment ids and lengths are integers: no cotangent.
-  return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
+  d_qs, (*_, d_k, d_v) = jax.lax.fori_loop(0, ring.num_devices, step, (d_qs, start))
+  # Offsets, segment ids and lengths are integers: no cotangent.
+  return (ring.merge(d_qs, "T").astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
           None, None, None, None, None, None)
 
 

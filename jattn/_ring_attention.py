@@ -8,10 +8,10 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jattn import _checks
 from jattn._attend import default_scale
+from jattn._block_sizes import BlockSizes, default_block_sizes
 from jattn._dot_product_attention import _check_arrays, _lengths, _segment_ids
 from jattn._layout import Layout, parse_layout
 from jattn._ring import Ring, ring_core, zigzag_order
-from jattn._xla import split_heads
 
 
 def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
@@ -19,7 +19,8 @@ def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
                    query_seq_lengths=None, key_value_seq_lengths=None,
                    q_segment_ids=None, kv_segment_ids=None,
                    layout: str = "BTNH", batch_axis_name: str | None = None,
-                   head_axis_name: str | None = None, load_balance: bool = True):
+                   head_axis_name: str | None = None, load_balance: bool = True,
+                   block_sizes: BlockSizes | None = None):
   """Attention with the sequence sharded over `mesh` axis `axis_name` (ring attention).
 
   Same arrays and result as `dot_product_attention` (query [B, T, N, H], key
@@ -33,7 +34,11 @@ def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
   dealt to devices in zig-zag order (chunks i and 2P-1-i) so every device does
   equal work; the output comes back in the original order.
 
-  Requires T and S divisible by P (by 2P for the zig-zag order).
+  Within a device each step runs the blockwise implementation (block_sizes,
+  default per platform), so per-device memory is linear in T / P.
+
+  Requires T and S divisible by P (by 2P for the zig-zag order). bias, a dense
+  mask, a local window and dropout are not supported here.
   """
   query = _checks.float_array("query", query)
   key = _checks.float_array("key", key)
@@ -59,7 +64,8 @@ def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
   out = _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids,
                  mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
                  head_axis_name=head_axis_name, num_devices=num_devices,
-                 scale=float(scale), is_causal=is_causal, zigzag=zigzag, layout=lay)
+                 scale=float(scale), is_causal=is_causal, zigzag=zigzag, layout=lay,
+                 block_sizes=block_sizes or default_block_sizes(mesh.devices.flat[0].platform))
   return out if dims["has_batch"] else out[0]
 
 
@@ -93,9 +99,8 @@ def _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims, chunks) 
 # first mesh's shardings and fail. Callers jit the whole step anyway.
 def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name,
              batch_axis_name, head_axis_name, num_devices, scale, is_causal,
-             zigzag, layout: Layout):
+             zigzag, layout: Layout, block_sizes: BlockSizes):
   T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
-  K = key.shape[layout.axis("K")]
   if zigzag:
     q_pos, kv_pos = zigzag_order(T, num_devices), zigzag_order(S, num_devices)
     query = jnp.take(query, q_pos, axis=layout.axis("T"))
@@ -109,15 +114,15 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
   mesh_axis = {"B": batch_axis_name, "T": axis_name, "S": axis_name,
                "N": head_axis_name, "K": head_axis_name}
   spec = lambda letters: PartitionSpec(*(mesh_axis.get(c) for c in letters))
-  local_kv_heads = K // (mesh.shape[head_axis_name] if head_axis_name else 1)
-  varying = tuple(a for a in (axis_name, batch_axis_name, head_axis_name) if a)
-  ring = Ring(axis_name, num_devices, varying, scale, is_causal, layout)
+  chunks = 2 if zigzag else 1
+  ring = Ring(axis_name, num_devices, chunks, scale, is_causal, layout,
+              block_sizes)
 
   def local(q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len):
-    q = split_heads(q, layout.axis("N"), local_kv_heads)
-    out = ring_core(ring, q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len)
-    n = layout.axis("N")
-    return out.reshape(out.shape[:n] + (-1,) + out.shape[n + 2:])
+    # Each local chunk is contiguous: its first position is its offset.
+    q_offsets = q_pos[::q_pos.shape[0] // chunks]
+    kv_offsets = kv_pos[::kv_pos.shape[0] // chunks]
+    return ring_core(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
 
   # An absent (None) optional argument is an empty pytree: any spec fits it.
   ids_spec = spec("BT")
@@ -126,6 +131,9 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
       in_specs=(spec(layout.query), spec(layout.key), spec(layout.value),
                 spec("T"), spec("S"), ids_spec, ids_spec, spec("B"), spec("B")),
       out_specs=spec(layout.out),
+      # The blockwise loops inside start their accumulators from constants,
+      # which the varying-manual-axes type check would reject as loop carries.
+      check_vma=False,
   )(query, key, value, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len)
   if zigzag:
     out = jnp.take(out, jnp.argsort(q_pos), axis=layout.axis("T"))

@@ -23,4 +23,4 @@ def test_ring_attention_matches_single_device_values_and_gradients():
   print(result.stdout)
   assert result.returncode == 0, result.stdout + result.stderr
   assert "FAIL" not in result.stdout
-  assert result.stdout.count("ok  ") == 11
+  assert result.stdout.count("ok  ") == 12

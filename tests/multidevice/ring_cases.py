@@ -63,6 +63,8 @@ def main():
       ("causal + lengths (a row with no key)", seq, dict(is_causal=True, **lengths), {}),
       ("lengths", seq, dict(lengths), {}),
       ("causal + segments", seq, dict(is_causal=True, **segments), {}),
+      ("causal + lengths, several blocks per device", seq, dict(is_causal=True, **lengths),
+       dict(block_sizes=jattn.BlockSizes(q=2, kv=3))),
       ("2x2x2 mesh: data, model, seq", cube, dict(is_causal=True, **lengths),
        dict(batch_axis_name="data", head_axis_name="model")),
   ]
