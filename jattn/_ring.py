@@ -39,12 +39,46 @@ from jattn._softmax import LARGE_NEGATIVE
 _ROWS = "BNT"  # one value per query row and head: lse
 
 
-def zigzag_order(length: int, num_devices: int) -> jax.Array:
-  """int [length]: token order that gives device i chunks i and 2P-1-i."""
-  chunks = jnp.arange(length).reshape(2 * num_devices, length // (2 * num_devices))
-  first, second = chunks[:num_devices], chunks[num_devices:][::-1]
-  # [P, 2, length / 2P] -> [length]
-  return jnp.stack([first, second], axis=1).reshape(length)
+def _zigzag_home(chunk: int, num_devices: int) -> int:
+  """The device that holds `chunk` (of 2P) in zig-zag order: i and 2P-1-i on device i."""
+  return chunk if chunk < num_devices else 2 * num_devices - 1 - chunk
+
+
+def to_zigzag(x, axis: int, axis_name: str, num_devices: int):
+  """Inside shard_map: from contiguous order (device i holds chunks 2i, 2i+1)
+  to zig-zag order (device i holds chunks i, 2P-1-i), with two ppermutes.
+
+  Chunk i is even on an even device, so there the even chunk comes first.
+  """
+  P = num_devices
+  even, odd = jnp.split(x, 2, axis=axis)
+  even = jax.lax.ppermute(even, axis_name, [(i, _zigzag_home(2 * i, P)) for i in range(P)])
+  odd = jax.lax.ppermute(odd, axis_name, [(i, _zigzag_home(2 * i + 1, P)) for i in range(P)])
+  on_even_device = jax.lax.axis_index(axis_name) % 2 == 0
+  first = jnp.where(on_even_device, even, odd)
+  second = jnp.where(on_even_device, odd, even)
+  return jnp.concatenate([first, second], axis=axis)
+
+
+def from_zigzag(x, axis: int, axis_name: str, num_devices: int):
+  """The inverse of `to_zigzag`: every chunk goes back to its contiguous place."""
+  P = num_devices
+  first, second = jnp.split(x, 2, axis=axis)
+  on_even_device = jax.lax.axis_index(axis_name) % 2 == 0
+  even = jnp.where(on_even_device, first, second)
+  odd = jnp.where(on_even_device, second, first)
+  even = jax.lax.ppermute(even, axis_name, [(_zigzag_home(2 * i, P), i) for i in range(P)])
+  odd = jax.lax.ppermute(odd, axis_name, [(_zigzag_home(2 * i + 1, P), i) for i in range(P)])
+  return jnp.concatenate([even, odd], axis=axis)
+
+
+def chunk_offsets(length: int, chunks: int, axis_name: str, num_devices: int) -> jax.Array:
+  """int32 [chunks]: global position of the first token of each local chunk."""
+  i = jax.lax.axis_index(axis_name)
+  size = length // (chunks * num_devices)  # tokens per chunk
+  if chunks == 1:
+    return (i * size)[None].astype(jnp.int32)
+  return jnp.stack([i * size, (2 * num_devices - 1 - i) * size]).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

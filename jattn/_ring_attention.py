@@ -11,7 +11,7 @@ from jattn._attend import default_scale
 from jattn._block_sizes import BlockSizes, default_block_sizes
 from jattn._dot_product_attention import _check_arrays, _lengths, _segment_ids
 from jattn._layout import Layout, parse_layout
-from jattn._ring import Ring, ring_core, zigzag_order
+from jattn._ring import Ring, chunk_offsets, from_zigzag, ring_core, to_zigzag
 
 
 def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
@@ -32,7 +32,8 @@ def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
   batch_axis_name / head_axis_name optionally shard B and the heads (N and K
   together) over other mesh axes. With is_causal and load_balance, tokens are
   dealt to devices in zig-zag order (chunks i and 2P-1-i) so every device does
-  equal work; the output comes back in the original order.
+  equal work: the chunks are exchanged inside the shard_map with two
+  ppermutes, and the output comes back in the original order the same way.
 
   Within a device each step runs the blockwise implementation (block_sizes,
   default per platform), so per-device memory is linear in T / P.
@@ -101,16 +102,6 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
              batch_axis_name, head_axis_name, num_devices, scale, is_causal,
              zigzag, layout: Layout, block_sizes: BlockSizes):
   T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
-  if zigzag:
-    q_pos, kv_pos = zigzag_order(T, num_devices), zigzag_order(S, num_devices)
-    query = jnp.take(query, q_pos, axis=layout.axis("T"))
-    key = jnp.take(key, kv_pos, axis=layout.axis("S"))
-    value = jnp.take(value, kv_pos, axis=layout.axis("S"))
-    if q_ids is not None:
-      q_ids, kv_ids = jnp.take(q_ids, q_pos, axis=1), jnp.take(kv_ids, kv_pos, axis=1)
-  else:
-    q_pos, kv_pos = jnp.arange(T), jnp.arange(S)
-
   mesh_axis = {"B": batch_axis_name, "T": axis_name, "S": axis_name,
                "N": head_axis_name, "K": head_axis_name}
   spec = lambda letters: PartitionSpec(*(mesh_axis.get(c) for c in letters))
@@ -118,23 +109,28 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
   ring = Ring(axis_name, num_devices, chunks, scale, is_causal, layout,
               block_sizes)
 
-  def local(q, k, v, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len):
-    # Each local chunk is contiguous: its first position is its offset.
-    q_offsets = q_pos[::q_pos.shape[0] // chunks]
-    kv_offsets = kv_pos[::kv_pos.shape[0] // chunks]
-    return ring_core(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
+  def local(q, k, v, q_ids, kv_ids, q_len, kv_len):
+    if zigzag:
+      reorder = lambda x, axis: to_zigzag(x, axis, axis_name, num_devices)
+      q, k, v = (reorder(x, layout.axis("T")) for x in (q, k, v))
+      if q_ids is not None:
+        q_ids, kv_ids = reorder(q_ids, 1), reorder(kv_ids, 1)
+    q_offsets = chunk_offsets(T, chunks, axis_name, num_devices)
+    kv_offsets = chunk_offsets(S, chunks, axis_name, num_devices)
+    out = ring_core(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
+    if zigzag:
+      out = from_zigzag(out, layout.axis("T"), axis_name, num_devices)
+    return out
 
   # An absent (None) optional argument is an empty pytree: any spec fits it.
   ids_spec = spec("BT")
   out = jax.shard_map(
       local, mesh=mesh,
       in_specs=(spec(layout.query), spec(layout.key), spec(layout.value),
-                spec("T"), spec("S"), ids_spec, ids_spec, spec("B"), spec("B")),
+                ids_spec, ids_spec, spec("B"), spec("B")),
       out_specs=spec(layout.out),
       # The blockwise loops inside start their accumulators from constants,
       # which the varying-manual-axes type check would reject as loop carries.
       check_vma=False,
-  )(query, key, value, q_pos, kv_pos, q_ids, kv_ids, q_len, kv_len)
-  if zigzag:
-    out = jnp.take(out, jnp.argsort(q_pos), axis=layout.axis("T"))
+  )(query, key, value, q_ids, kv_ids, q_len, kv_len)
   return out
