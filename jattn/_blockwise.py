@@ -101,7 +101,7 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
             f"{_LOGITS},{g.v_sub}->BKGTD", used.astype(g.dtype), vb,
             preferred_element_type=g.acc)
         return m_new, l, o, n + 1
-      return body
+      return g.skip_unless_segments_meet(body, i)
 
     rows = (g.B, g.K, g.G, g.bq)
     carry = (jnp.full(rows, LARGE_NEGATIVE, g.acc), jnp.zeros(rows, g.acc),
@@ -148,6 +148,9 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
     kv_last = jnp.minimum(kv_first + g.bk, g.kv_offset + g.S) - 1
     lo, hi, vis_lo, vis_hi = _block_plan.q_blocks(
         g.spec, kv_first, kv_last, g.q_offset, g.T, g.bq)
+    # A kv block holding padded keys is masked throughout (p must be 0 there).
+    padded = (j + 1) * g.bk > g.S
+    vis_lo, vis_hi = jnp.where(padded, hi, vis_lo), jnp.where(padded, hi, vis_hi)
 
     def step(masked):
       def body(i, carry):
@@ -180,7 +183,7 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
         dk = dk + jnp.einsum(f"{_LOGITS},{g.q_sub}->BKSH", ds, qb,
                              preferred_element_type=g.acc)
         return dq, d_bias, dk, dv
-      return body
+      return g.skip_unless_segments_meet(body, j, kv_outer=True)
 
     carry = (dq, d_bias, jnp.zeros((g.B, g.K, g.bk, H), g.acc),
              jnp.zeros((g.B, g.K, g.bk, D), g.acc))
@@ -312,6 +315,17 @@ class _Grid:
     if self.user_mask is not None:
       keep = keep & self._logical_block(self.user_mask, i, j)
     return keep
+
+  def skip_unless_segments_meet(self, body, outer, kv_outer=False):
+    """body(inner, carry) run only for blocks whose segment id ranges meet."""
+    if self.q_ids is None:
+      return body
+
+    def guarded(inner, carry):
+      i, j = (inner, outer) if kv_outer else (outer, inner)
+      meet = _block_plan.segments_meet(self.q_ranges, self.kv_ranges, i, j)
+      return lax.cond(meet, lambda c: body(inner, c), lambda c: c, carry)
+    return guarded
 
   def dropout_multipliers(self, i, j):
     """float32 [B, K, G, bq, bk]: this block's dropout draw, from global positions."""
