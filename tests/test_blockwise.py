@@ -159,7 +159,7 @@ def test_block_sizes_are_honoured():
 
 
 def test_default_block_sizes_by_platform():
-  assert default_block_sizes("cpu") == jattn.BlockSizes(q=512, kv=512)
+  assert default_block_sizes("cpu") == jattn.BlockSizes(q=512, kv=256)
   assert default_block_sizes("gpu").q < 512
 
 
