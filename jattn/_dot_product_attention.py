@@ -28,6 +28,7 @@ _IMPLEMENTATIONS = {
     "vmap": vmapped_attention,
     "blockwise": blockwise_attention,
     "cudnn": cudnn_attention,
+    "ring": None,  # sequence-parallel over the context mesh: _ring_attention.py
 }
 
 
@@ -39,7 +40,7 @@ def _check_implementation(implementation, block_sizes) -> None:
     if not isinstance(block_sizes, BlockSizes):
       raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), "
                       f"got {block_sizes!r}")
-    if implementation not in (None, "blockwise"):
+    if implementation not in (None, "blockwise", "ring"):
       raise ValueError(f"block_sizes applies to implementation='blockwise' only, "
                        f"got implementation={implementation!r}")
 
@@ -102,7 +103,8 @@ def dot_product_attention(
       "cudnn" where it applies), "xla" (einsum), "vmap" (single-head attention
       under jax.vmap), "blockwise" (flash-style, memory linear in T and S,
       no weights) or "cudnn" (jax.nn's fused GPU kernel; a ValueError where it
-      cannot honour the arguments).
+      cannot honour the arguments) or "ring" (sequence-parallel over the
+      "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`).
     dropout_rate, dropout_rng: dropout on the attention weights, with inverted
       scaling; the same rng gives the same result.
     return_weights: also return the softmax weights [B, N, T, S] (before dropout).
@@ -114,6 +116,15 @@ def dot_product_attention(
   Logits and softmax are computed in float32; the output has value's dtype.
   """
   _check_implementation(implementation, block_sizes)
+  if implementation == "ring":
+    from jattn._ring_attention import ring_from_context  # it builds on this module
+
+    return ring_from_context(
+        query, key, value, bias, mask, local_window_size=local_window_size,
+        dropout_rate=dropout_rate, return_weights=return_weights, block_sizes=block_sizes,
+        scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, layout=layout)
   query = _checks.float_array("query", query)
   key = _checks.float_array("key", key)
   value = _checks.float_array("value", value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jattn import _checks
 from jattn._attend import default_scale
@@ -14,7 +14,7 @@ from jattn._layout import Layout, parse_layout
 from jattn._ring import Ring, chunk_offsets, from_zigzag, ring_core, to_zigzag
 
 
-def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
+def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: str = "seq",
                    scale: float | None = None, is_causal: bool = False,
                    query_seq_lengths=None, key_value_seq_lengths=None,
                    q_segment_ids=None, kv_segment_ids=None,
@@ -66,12 +66,40 @@ def ring_attention(query, key, value, *, mesh: Mesh, axis_name: str = "seq",
                  mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
                  head_axis_name=head_axis_name, num_devices=num_devices,
                  scale=float(scale), is_causal=is_causal, zigzag=zigzag, layout=lay,
-                 block_sizes=block_sizes or default_block_sizes(mesh.devices.flat[0].platform))
+                 block_sizes=block_sizes or default_block_sizes(jax.devices()[0].platform))
   return out if dims["has_batch"] else out[0]
 
 
+# The mesh axis names that dot_product_attention(implementation="ring") uses.
+SEQUENCE_AXIS, BATCH_AXIS, HEADS_AXIS = "seq", "data", "model"
+
+
+def ring_from_context(query, key, value, bias, mask, *, local_window_size,
+                      dropout_rate, return_weights, block_sizes, **kwargs):
+  """`dot_product_attention(implementation="ring")`: ring attention over the mesh
+  set with `jax.set_mesh`, its "seq" axis the ring; "data" and "model" axes, if
+  present, shard the batch and the heads."""
+  unsupported = [name for name, given in (
+      ("bias", bias is not None), ("mask", mask is not None),
+      ("local_window_size", local_window_size is not None),
+      ("dropout_rate", bool(dropout_rate)), ("return_weights", bool(return_weights)))
+                 if given]
+  if unsupported:
+    raise ValueError(f"implementation='ring' does not support {', '.join(unsupported)}: "
+                     f"each needs the whole [T, S] grid; use 'blockwise' on one device")
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or SEQUENCE_AXIS not in mesh.axis_names:
+    raise ValueError(f"implementation='ring' needs a mesh with a {SEQUENCE_AXIS!r} axis "
+                     f"set by `with jax.set_mesh(mesh):`, got {mesh}")
+  present = lambda name: name if name in mesh.axis_names else None
+  return ring_attention(query, key, value, mesh=mesh, axis_name=SEQUENCE_AXIS,
+                        batch_axis_name=present(BATCH_AXIS),
+                        head_axis_name=present(HEADS_AXIS), block_sizes=block_sizes,
+                        **kwargs)
+
+
 def _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims, chunks) -> int:
-  if not isinstance(mesh, Mesh):
+  if not isinstance(mesh, (Mesh, AbstractMesh)):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   for arg, name in (("axis_name", axis_name), ("batch_axis_name", batch_axis_name),
                     ("head_axis_name", head_axis_name)):

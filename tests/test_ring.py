@@ -23,4 +23,31 @@ def test_ring_attention_matches_single_device_values_and_gradients():
   print(result.stdout)
   assert result.returncode == 0, result.stdout + result.stderr
   assert "FAIL" not in result.stdout
-  assert result.stdout.count("ok  ") == 12
+  assert result.stdout.count("ok  ") == 13
+
+
+def test_ring_without_a_mesh_says_how_to_set_one():
+  import numpy as np
+  import jattn
+  q = np.zeros((1, 4, 2, 8), np.float32)
+  with pytest.raises(ValueError, match=r"needs a mesh with a 'seq' axis.*jax.set_mesh"):
+    jattn.dot_product_attention(q, q, q, implementation="ring")
+
+
+def test_ring_refuses_what_needs_the_whole_grid():
+  import numpy as np
+  import jattn
+  q = np.zeros((1, 4, 2, 8), np.float32)
+  with pytest.raises(ValueError, match=r"'ring' does not support bias, local_window_size"):
+    jattn.dot_product_attention(q, q, q, np.zeros((4, 4), np.float32),
+                                implementation="ring", local_window_size=1)
+
+
+def test_ring_attention_names_a_missing_mesh_axis():
+  import jax
+  import numpy as np
+  import jattn
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+  q = np.zeros((1, 4, 2, 8), np.float32)
+  with pytest.raises(ValueError, match=r"axis_name 'sequence' is not an axis of the mesh"):
+    jattn.ring_attention(q, q, q, mesh=mesh, axis_name="sequence")

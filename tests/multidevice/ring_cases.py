@@ -82,6 +82,14 @@ def main():
     ref = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
     ok &= check(f"layout {layout}", ring, ref, arrays)
 
+  with jax.set_mesh(cube):
+    kwargs = dict(is_causal=True, q_segment_ids=segments["q_segment_ids"],
+                  kv_segment_ids=segments["kv_segment_ids"])
+    ring = jax.jit(lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, implementation="ring", **kwargs))
+    ref = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
+    ok &= check("implementation='ring' in jit, mesh from jax.set_mesh", ring, ref, (q, k, v))
+
   try:
     jattn.ring_attention(q[:, :12], k[:, :12], v[:, :12], mesh=seq, is_causal=True)
     print("FAIL indivisible length raised nothing")
