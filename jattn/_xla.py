@@ -15,7 +15,7 @@ from jattn._layout import Layout
 from jattn._masks import MaskSpec
 from jattn._softmax import logits_dtype, masked_softmax
 
-_LOGITS = "BKGTS"
+_LOGICAL = "BKGTS"  # mask, bias and weights: logical order, N split
 
 
 def split_heads(x: jax.Array, axis: int, num_kv_heads: int) -> jax.Array:
@@ -44,17 +44,30 @@ def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
   mask, keep = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
   q_sub = layout.grouped(layout.query)
   out_sub = layout.grouped(layout.out)
+  logits_sub = _logits_subscripts(q_sub)
+  to_logits = lambda x: None if x is None else jnp.transpose(
+      grouped_logical(x, K), [_LOGICAL.index(c) for c in logits_sub])
   dtype = logits_dtype(query.dtype)
   query = split_heads(query, layout.axis("N"), K)
 
-  # logits [B, K, G, T, S]
-  logits = jnp.einsum(f"{q_sub},{layout.key}->{_LOGITS}", query, key,
+  # logits, e.g. [B, K, T, G, S] for "BTNH"
+  logits = jnp.einsum(f"{q_sub},{layout.key}->{logits_sub}", query, key,
                       preferred_element_type=dtype) * scale
   if bias is not None:
-    logits = logits + grouped_logical(bias, K).astype(dtype)
-  weights = masked_softmax(logits, grouped_logical(mask, K), axis=-1)
-  used = weights if keep is None else weights * grouped_logical(keep, K).astype(dtype)
-  out = jnp.einsum(f"{_LOGITS},{layout.value}->{out_sub}", used.astype(value.dtype),
+    logits = logits + to_logits(bias).astype(dtype)
+  weights = masked_softmax(logits, to_logits(mask), axis=-1)
+  used = weights if keep is None else weights * to_logits(keep).astype(dtype)
+  out = jnp.einsum(f"{logits_sub},{layout.value}->{out_sub}", used.astype(value.dtype),
                    value, preferred_element_type=dtype)
   out = out.reshape(out.shape[:layout.axis("N")] + (N,) + out.shape[layout.axis("N") + 2:])
-  return out.astype(value.dtype), weights.reshape(weights.shape[:1] + (N,) + weights.shape[3:])
+  # weights [B, K, G, T, S] -> [B, N, T, S]
+  weights = jnp.transpose(weights, [logits_sub.index(c) for c in _LOGICAL])
+  return out.astype(value.dtype), weights.reshape((B, N, T, S))
+
+
+def _logits_subscripts(q_sub: str) -> str:
+  """The logits' letters in the order dot_general produces them: batch letters
+  (B, K) and the query's free letters (T, G) as they stand in the query, then S.
+  Asking einsum for any other order costs a transpose of the whole [T, S] grid."""
+  return ("".join(c for c in q_sub if c in "BK") + "".join(c for c in q_sub if c in "TG")
+          + "S")
