@@ -97,7 +97,8 @@ class MultiHeadAttention(nnx.Module):
     self.cache_index = nnx.Cache(jnp.zeros((B,), jnp.int32))
 
   def __call__(self, inputs_q, inputs_kv=None, *, mask=None, is_causal: bool = False,
-               deterministic=None, decode: bool = False, lengths=None):
+               deterministic=None, decode: bool = False, lengths=None,
+               sow_weights: bool = False):
     """inputs [B, T, F] (rows) or [B, F, T] (columns) -> the same with out_features.
 
     mask: bool, broadcastable to [B, N, T, S]. lengths: int [B], tokens past
@@ -105,7 +106,8 @@ class MultiHeadAttention(nnx.Module):
     they are not written to the cache). decode=True: self-attention over the
     cache (call `init_cache` first): a prompt of any length, then one token at a
     time; each batch element continues from its own position. Decoding is
-    causal, so it needs is_causal=True.
+    causal, so it needs is_causal=True. sow_weights=True stores the attention
+    weights [B, N, T, S] as nnx.Intermediate 'attention_weights' (as flax's).
     """
     layout = self.layout
     inputs_q = _heads.check_inputs("inputs_q", inputs_q, self.in_features, layout)
@@ -130,7 +132,10 @@ class MultiHeadAttention(nnx.Module):
         key_value_seq_lengths=kv_lengths, layout=_heads.HEADS_LAYOUT[layout],
         implementation=self.implementation,
         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-        dropout_rng=dropout_rng)
+        dropout_rng=dropout_rng, return_weights=sow_weights)
+    if sow_weights:
+      out, weights = out
+      self.sow(nnx.Intermediate, "attention_weights", weights)
     return _heads.project_out(out, *self.out.arrays(), **proj)
 
   def _decode(self, self_attention, key, value, mask, is_causal, lengths):
