@@ -36,8 +36,8 @@ def curve(path: pathlib.Path, lines, field: str, ylabel: str, log_y: bool = Fals
 
 def attention(path: pathlib.Path, model, example) -> None:
   """The weights [T, S] of every head of every layer on one held-out example."""
-  model(example["tokens"], sow_weights=True)
-  sown = nnx.pop(model, nnx.Intermediate)
+  forward = nnx.capture(lambda m, tokens: m(tokens, sow_weights=True), nnx.Intermediate)
+  _, sown = forward(model, example["tokens"])
   layers = [np.asarray(block["attention"]["attention_weights"][0][0])  # [N, T, S]
             for block in nnx.to_pure_dict(sown)["blocks"].values()]
   L, N = len(layers), layers[0].shape[0]

@@ -123,11 +123,12 @@ def make_train_step(graphdef, tx):
     def loss_fn(params):
       return loss_and_accuracy(nnx.merge(graphdef, params), batch)
     (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 counts
+      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     return new_state, {"loss": loss, "accuracy": accuracy,
-                       "grad_norm": optax.global_norm(grads)}
+                       "grad_norm": optax.tree.norm(grads)}
   return train_step
 
 

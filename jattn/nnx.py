@@ -107,7 +107,8 @@ class MultiHeadAttention(nnx.Module):
     cache (call `init_cache` first): a prompt of any length, then one token at a
     time; each batch element continues from its own position. Decoding is
     causal, so it needs is_causal=True. sow_weights=True stores the attention
-    weights [B, N, T, S] as nnx.Intermediate 'attention_weights' (as flax's).
+    weights [B, N, T, S] as nnx.Intermediate 'attention_weights' (as flax's;
+    read them with nnx.capture).
     """
     layout = self.layout
     inputs_q = _heads.check_inputs("inputs_q", inputs_q, self.in_features, layout)

@@ -1,5 +1,7 @@
 """KV-cache decoding: a prompt, then one token at a time, equals the full causal pass."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +83,26 @@ def test_decode_needs_causal_and_self_attention():
     m(x, x, is_causal=True, decode=True)
   with pytest.raises(ValueError, match=r"lengths: expected shape \[B\] = \(3,\), got shape \(2,\)"):
     m(x, is_causal=True, decode=True, lengths=jnp.array([1, 1]))
+
+
+def test_transformer_decoding_equals_full_pass_and_layouts_agree():
+  from jattn.transformer import Transformer, TransformerConfig
+  config = TransformerConfig(vocab_size=32, max_len=MAX, num_layers=2, features=F,
+                             num_heads=4, num_kv_heads=2, mlp_features=32)
+  tokens = jax.random.randint(jax.random.key(0), (B, L), 0, 32)
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  full = model(tokens)  # [B, L, V]
+  columns = Transformer(dataclasses.replace(config, layout="columns"), rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(columns(tokens), full, rtol=1e-5, atol=1e-5)
+  model.init_cache(B)
+  first = model(tokens[:, :PROMPTS.max()], decode=True, lengths=jnp.asarray(PROMPTS))
+  got = np.zeros(full.shape, np.float32)
+  for b in range(B):
+    got[b, :PROMPTS[b]] = first[b, :PROMPTS[b]]
+  for j in range(L - PROMPTS.min()):
+    t = np.minimum(PROMPTS + j, L - 1)
+    step = model(jnp.asarray(tokens)[np.arange(B), t][:, None], decode=True)[:, 0]
+    for b in range(B):
+      if PROMPTS[b] + j < L:
+        got[b, PROMPTS[b] + j] = step[b]
+  np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
