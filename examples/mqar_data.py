@@ -1,10 +1,12 @@
 """Multi-query associative recall (MQAR, Zoology: Arora et al. 2023), generated with NumPy.
 
 A sequence of T tokens: P key-value pairs k1 v1 k2 v2 ... (keys distinct, from
-the lower half of the vocabulary, values from the upper half), then random
-filler tokens in which each of the P keys appears once more, in a random order
-at random positions. At each such queried key the model must emit its value;
-only those P positions count in the loss and the accuracy.
+the lower half of the vocabulary, token 0 excluded; values from the upper
+half), then the filler token 0 in which each of the P keys appears once more,
+in a random order at random positions (as Zoology's MQAR). A dedicated filler
+keeps the recall unambiguous: no key appears anywhere else. At each queried key
+the model must emit its value; only those P positions count in the loss and
+the accuracy.
 
 Every batch is a function of (seed, step) alone, so a resumed run sees the same
 data as one that never stopped. The held-out split comes from its own stream.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 _TRAIN, _HELD_OUT = 0, 1
+FILLER = 0  # the token between the queries; never a key or a value
 
 
 def _first_distinct(rng: np.random.Generator, B: int, high: int, count: int) -> np.ndarray:
@@ -30,7 +33,7 @@ def make_examples(rng: np.random.Generator, batch_size: int, seq_len: int,
   half = V // 2
   keys = 1 + _first_distinct(rng, B, half - 1, P)  # [B, P] from [1, V/2)
   values = rng.integers(half, V, (B, P))  # [B, P] from [V/2, V)
-  tokens = rng.integers(1, V, (B, T))  # filler
+  tokens = np.full((B, T), FILLER)
   tokens[:, 0:2 * P:2] = keys
   tokens[:, 1:2 * P:2] = values
   query_pos = 2 * P + _first_distinct(rng, B, T - 2 * P, P)  # [B, P]

@@ -70,6 +70,8 @@ def test_data_is_a_function_of_seed_and_step_and_answers_are_recallable():
     assert len(pairs) == P  # distinct keys
     assert len(set(positions)) == P and positions.min() >= 2 * P
     assert dict(zip(tokens[positions], answers)) == pairs  # each key queried once
+    rest = np.delete(tokens[2 * P:], positions - 2 * P)
+    assert (rest == mqar_data.FILLER).all() and mqar_data.FILLER not in pairs
 
 
 @pytest.mark.parametrize("field, value, message", [
