@@ -1,7 +1,8 @@
 """One training step of the default MQAR model: jattn.nnx vs flax.nnx attention.
 
 Both models are the same Transformer (jattn.transformer) with the same
-parameters; only the attention module differs. Both steps run in this process,
+parameters; only the attention module differs. Both use learned positions
+(flax's module cannot apply the default config's rotary embeddings). Both steps run in this process,
 interleaved, and the medians are compared.
 
   python benchmarks/train_step.py [--repeats 20] [--config.batch_size=32 ...]
@@ -41,6 +42,8 @@ def main():
   parser.add_argument("--warmup", type=int, default=3)
   args = parser.parse_args()
   config = mqar.get_config()
+  # flax's module has no hook to rotate q and k, so both models use learned positions
+  config.position_encoding = "learned"
   batch = jax.device_put(mqar_data.train_batch(config, 0))
   runs = {"jattn.nnx": compiled_step(config, None),
           "flax.nnx": compiled_step(config, flax_attention)}

@@ -122,6 +122,11 @@ class MultiHeadAttention(nnx.Module):
     key = _heads.project_in(inputs_kv, *self.key.arrays(), **proj)  # [B, S, K, H] | [B, K, H, S]
     value = _heads.project_in(inputs_kv, *self.value.arrays(), **proj)
     B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]
+    S = inputs_kv.shape[_heads.token_axis(layout)]
+    start = (self.cache_index[...] if decode and self.cache_index is not None
+             else jnp.zeros((B,), jnp.int32))  # [B]: position of each row's first token
+    query, key = self.encode_positions(query, key, start[:, None] + jnp.arange(T),
+                                       start[:, None] + jnp.arange(S))
     kv_lengths = lengths
     if decode:
       key, value, mask = self._decode(self_attention, key, value, mask,
@@ -138,6 +143,14 @@ class MultiHeadAttention(nnx.Module):
       out, weights = out
       self.sow(nnx.Intermediate, "attention_weights", weights)
     return _heads.project_out(out, *self.out.arrays(), **proj)
+
+  def encode_positions(self, query, key, query_positions, key_positions):
+    """A hook for subclasses (e.g. rotary embeddings): the per-head query
+    [B, T, N, H] | [B, N, H, T] and key [B, S, K, H] | [B, K, H, S] with their
+    positions int [B, T] and [B, S] (with decode=True, each row continues from
+    its cache position) -> (query, key). Here the identity, as in flax."""
+    del query_positions, key_positions
+    return query, key
 
   def _decode(self, self_attention, key, value, mask, is_causal, lengths):
     if self.cache_index is None:

@@ -1,8 +1,11 @@
 """A small decoder-only Transformer built from jattn.nnx.MultiHeadAttention.
 
-tokens int [B, T] -> token + learned position embeddings -> num_layers pre-norm
-blocks (x + attention(norm(x)), x + mlp(norm(x))) -> norm -> LM head -> logits
-[B, T, V]. The residual stream is [B, T, F] (layout="rows") or [B, F, T]
+tokens int [B, T] -> token embeddings (+ learned position embeddings, or
+rotary embeddings of q and k in every attention layer; optionally + an embedding
+of the previous token, a width-2 causal convolution over the tokens like the
+short convolutions of H3/Based, so one attention layer can match a query to
+the token after its earlier occurrence) -> num_layers pre-norm blocks
+(x + attention(norm(x)), x + mlp(norm(x))) -> norm -> LM head -> logits [B, T, V]. The residual stream is [B, T, F] (layout="rows") or [B, F, T]
 (layout="columns"); E is the MLP's hidden width, V the vocabulary size.
 """
 
@@ -16,6 +19,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jattn.nnx
+from jattn.rope import DEFAULT_BASE, rope_heads
+
+POSITION_ENCODINGS = ("learned", "rope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,13 +37,33 @@ class TransformerConfig:
   implementation: str | None = None
   dropout_rate: float = 0.0
   dtype: jnp.dtype | None = None
+  position_encoding: str = "learned"  # "learned" (added to the embeddings) or "rope"
+  rope_base: float = DEFAULT_BASE
+  previous_token_embedding: bool = False  # add an embedding of token t-1 at t
+
+
+class RotaryMultiHeadAttention(jattn.nnx.MultiHeadAttention):
+  """jattn.nnx.MultiHeadAttention with rotary embeddings on the per-head query
+  and key (the parameters are the same; the cache holds rotated keys)."""
+
+  def __init__(self, *args, rope_base: float = DEFAULT_BASE, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.rope_base = rope_base
+
+  def encode_positions(self, query, key, query_positions, key_positions):
+    rotate = dict(layout=self.layout, base=self.rope_base)
+    return (rope_heads(query, query_positions, **rotate),
+            rope_heads(key, key_positions, **rotate))
 
 
 def jattn_attention(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
-  return jattn.nnx.MultiHeadAttention(
-      config.num_heads, config.features, num_kv_heads=config.num_kv_heads,
-      dropout_rate=config.dropout_rate, layout=config.layout,
-      implementation=config.implementation, dtype=config.dtype, rngs=rngs)
+  kwargs = dict(num_kv_heads=config.num_kv_heads, dropout_rate=config.dropout_rate,
+                layout=config.layout, implementation=config.implementation,
+                dtype=config.dtype, rngs=rngs)
+  if config.position_encoding == "rope":
+    return RotaryMultiHeadAttention(config.num_heads, config.features,
+                                    rope_base=config.rope_base, **kwargs)
+  return jattn.nnx.MultiHeadAttention(config.num_heads, config.features, **kwargs)
 
 
 _MLP_IN = {"rows": "BTF,FE->BTE", "columns": "BFT,FE->BET"}
@@ -89,13 +115,27 @@ class Transformer(nnx.Module):
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
                attention: Callable = jattn_attention):
+    if config.position_encoding not in POSITION_ENCODINGS:
+      raise ValueError(f"position_encoding must be one of {POSITION_ENCODINGS}, "
+                       f"got {config.position_encoding!r}")
     self.config = config
     embed_init = nnx.initializers.normal(0.02)
     self.token_embed = nnx.Embed(config.vocab_size, config.features,
                                  embedding_init=embed_init, rngs=rngs)
-    self.position_embed = nnx.Param(embed_init(rngs.params(), (config.max_len, config.features)))
+    self.previous_embed = (nnx.Embed(config.vocab_size, config.features,
+                                     embedding_init=embed_init, rngs=rngs)
+                           if config.previous_token_embedding else nnx.data(None))
+    self.last_token = nnx.data(None)
+    self.position_embed = (
+        nnx.Param(embed_init(rngs.params(), (config.max_len, config.features)))
+        if config.position_encoding == "learned" else nnx.data(None))
     self.blocks = nnx.List([Block(config, attention, rngs=rngs)
                             for _ in range(config.num_layers)])
+    if config.position_encoding == "rope" and not all(
+        isinstance(b.attention, RotaryMultiHeadAttention) for b in self.blocks):
+      raise ValueError("position_encoding='rope' needs attention modules that rotate "
+                       "q and k (RotaryMultiHeadAttention); the model would have no "
+                       "positions otherwise")
     self.final_norm = _norm(config, rngs)
     self.head = nnx.Param(nnx.initializers.lecun_normal()(
         rngs.params(), (config.features, config.vocab_size)))  # [F, V]
@@ -104,6 +144,8 @@ class Transformer(nnx.Module):
     """KV caches for decode=True (max_length defaults to config.max_len)."""
     for block in self.blocks:
       block.attention.init_cache(batch_size, max_length or self.config.max_len)
+    if self.previous_embed is not None:
+      self.last_token = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
 
   def __call__(self, tokens, *, decode: bool = False, lengths=None,
                deterministic: bool | None = None, sow_weights: bool = False):
@@ -124,10 +166,12 @@ class Transformer(nnx.Module):
       start = self.blocks[0].attention.cache_index[...]  # [B]
     else:
       start = jnp.zeros((B,), jnp.int32)
-    positions = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
-    # [B, T, F]
-    x = self.token_embed(tokens) + jnp.take(self.position_embed[...], positions, axis=0,
-                                            mode="clip")
+    x = self.token_embed(tokens)  # [B, T, F]
+    if self.previous_embed is not None:
+      x = x + self._previous(tokens, start, decode, lengths)
+    if self.position_embed is not None:  # learned; rope acts inside the attention
+      positions = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
+      x = x + jnp.take(self.position_embed[...], positions, axis=0, mode="clip")
     if self.config.layout == "columns":
       x = jnp.swapaxes(x, 1, 2)  # [B, F, T]: the residual stream as columns
     kwargs = {}
@@ -142,6 +186,19 @@ class Transformer(nnx.Module):
     for block in self.blocks:
       x = block(x, **kwargs)
     return self.final_norm(x)
+
+  def _previous(self, tokens, start, decode, lengths):
+    """[B, T, F]: the embedding of each token's predecessor (zeros at position 0);
+    with decode=True the first one is the last token cached for its row."""
+    B, T = tokens.shape
+    first = self.last_token[...] if decode else jnp.zeros((B,), tokens.dtype)  # [B]
+    previous = jnp.concatenate([first[:, None], tokens[:, :-1]], axis=1)  # [B, T]
+    has_previous = (start[:, None] + jnp.arange(T)[None, :]) > 0  # [B, T]
+    if decode:
+      n = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+      last = jnp.take_along_axis(tokens, jnp.clip(n - 1, 0, T - 1)[:, None], axis=1)[:, 0]
+      self.last_token[...] = jnp.where(n > 0, last, first)
+    return jnp.where(has_previous[:, :, None], self.previous_embed(previous), 0.0)
 
   def take(self, hidden, positions):
     """hidden [B, T, F] or [B, F, T], positions int [B, P] -> [B, P, F] or [B, F, P]."""

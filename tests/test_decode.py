@@ -85,10 +85,15 @@ def test_decode_needs_causal_and_self_attention():
     m(x, is_causal=True, decode=True, lengths=jnp.array([1, 1]))
 
 
-def test_transformer_decoding_equals_full_pass_and_layouts_agree():
+@pytest.mark.parametrize("position_encoding, previous_token_embedding",
+                         [("learned", False), ("rope", False), ("rope", True)])
+def test_transformer_decoding_equals_full_pass_and_layouts_agree(position_encoding,
+                                                                 previous_token_embedding):
   from jattn.transformer import Transformer, TransformerConfig
   config = TransformerConfig(vocab_size=32, max_len=MAX, num_layers=2, features=F,
-                             num_heads=4, num_kv_heads=2, mlp_features=32)
+                             num_heads=4, num_kv_heads=2, mlp_features=32,
+                             position_encoding=position_encoding,
+                             previous_token_embedding=previous_token_embedding)
   tokens = jax.random.randint(jax.random.key(0), (B, L), 0, 32)
   model = Transformer(config, rngs=nnx.Rngs(0))
   full = model(tokens)  # [B, L, V]
