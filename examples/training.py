@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import mqar_data
 import plots
-from jattn.transformer import Transformer, TransformerConfig
+from jattn.transformer import POSITION_ENCODINGS, Transformer, TransformerConfig
 
 LAYOUTS = ("rows", "columns")
 
@@ -49,6 +49,14 @@ def check_config(config) -> None:
                        f"config.num_heads ({config.num_heads})")
   if config.layout not in LAYOUTS:
     raise ValueError(f"config.layout must be one of {LAYOUTS}, got {config.layout!r}")
+  if config.position_encoding not in POSITION_ENCODINGS:
+    raise ValueError(f"config.position_encoding must be one of {POSITION_ENCODINGS}, "
+                     f"got {config.position_encoding!r}")
+  if (config.position_encoding == "rope"
+      and (config.features // config.num_heads) % 2):
+    raise ValueError(f"config.position_encoding 'rope' needs an even depth per head, "
+                     f"config.features // config.num_heads, got "
+                     f"{config.features // config.num_heads}")
   if config.seq_len < 3 * config.num_kv_pairs:
     raise ValueError(f"config.seq_len ({config.seq_len}) must be at least 3 * "
                      f"config.num_kv_pairs ({config.num_kv_pairs}): the pairs, then "
@@ -85,7 +93,8 @@ def model_config(config) -> TransformerConfig:
       num_layers=config.num_layers, features=config.features,
       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
       mlp_features=config.mlp_features, layout=config.layout,
-      implementation=config.implementation)
+      implementation=config.implementation, position_encoding=config.position_encoding,
+      previous_token_embedding=config.previous_token_embedding)
 
 
 def make_optimizer(config) -> optax.GradientTransformation:

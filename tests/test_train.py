@@ -79,6 +79,7 @@ def test_data_is_a_function_of_seed_and_step_and_answers_are_recallable():
     ("batch_size", -4, "config.batch_size must be a positive int"),
     ("num_heads", 3, r"config.num_heads \(3\) must divide config.features \(16\)"),
     ("layout", "diagonal", "config.layout must be one of"),
+    ("position_encoding", "alibi", "config.position_encoding must be one of"),
     ("num_kv_heads", 3, r"config.num_kv_heads \(3\) must divide config.num_heads \(2\)"),
 ])
 def test_bad_config_fails_at_start_and_writes_nothing(tmp_path, field, value, message):
