@@ -36,3 +36,5 @@ __all__ = [
     "segment_mask",
 ]
 __version__ = "0.1.0"
+
+from jattn import linen, nnx  # noqa: E402  (the Flax modules, after the core they wrap)

@@ -1,0 +1,36 @@
+"""Default config: MQAR with T = 256 tokens and 32 key-value pairs, on a 2-core CPU."""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0  # seeds the parameters and every batch (a batch is a function of seed and step)
+  # task
+  config.vocab_size = 512  # V: keys from [1, V/2), values from [V/2, V)
+  config.seq_len = 256  # T: tokens per example
+  config.num_kv_pairs = 32  # P: key-value pairs, each queried once after them
+  # model
+  config.num_layers = 2  # pre-norm Transformer blocks
+  config.features = 64  # F: model width
+  config.num_heads = 2  # N: query heads; must divide features
+  config.num_kv_heads = config_dict.placeholder(int)  # K: kv heads (None: N); must divide num_heads
+  config.mlp_features = 128  # E: MLP hidden width
+  config.layout = "rows"  # "rows" (activations [B, T, F]) or "columns" ([B, F, T])
+  config.position_encoding = "rope"  # "rope" (rotary q and k in every layer) or "learned"
+  config.previous_token_embedding = True  # add an embedding of token t-1 at t (see README)
+  config.implementation = config_dict.placeholder(str)  # jattn.dot_product_attention implementation (None: best)
+  # optimisation
+  config.batch_size = 16  # B: examples per step, split over all devices
+  config.num_steps = 1500  # training steps
+  config.learning_rate = 3e-3  # AdamW peak learning rate
+  config.warmup_steps = 100  # linear warm-up to the peak, then cosine decay to 1% of it
+  config.weight_decay = 0.1  # AdamW decoupled weight decay
+  config.grad_clip = 1.0  # clip gradients to this global norm
+  # bookkeeping
+  config.log_every = 50  # steps between training metrics lines
+  config.eval_every = 250  # steps between held-out evaluations
+  config.eval_examples = 512  # held-out examples
+  config.checkpoint_every = 500  # steps between orbax checkpoints (and one at the end)
+  return config

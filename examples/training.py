@@ -1,0 +1,228 @@
+"""Training the jattn Transformer on MQAR: config checks, mesh, pure train step, loop.
+
+`train_and_evaluate(config, workdir)` trains data-parallel over every device,
+resumes from the latest orbax checkpoint in `workdir`, and writes there
+metrics.jsonl, checkpoints/ and the PNG plots.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+import mqar_data
+import plots
+from jattn.transformer import POSITION_ENCODINGS, Transformer, TransformerConfig
+
+LAYOUTS = ("rows", "columns")
+
+
+def check_config(config) -> None:
+  """Raises ValueError naming the first bad field; runs before anything is written."""
+  def positive(*names):
+    for name in names:
+      value = config[name]
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"config.{name} must be a positive int, got {value!r}")
+  positive("num_steps", "batch_size", "vocab_size", "seq_len", "num_kv_pairs",
+           "num_layers", "features", "num_heads", "mlp_features", "log_every",
+           "eval_every", "eval_examples", "checkpoint_every")
+  if config.features % config.num_heads:
+    raise ValueError(f"config.num_heads ({config.num_heads}) must divide "
+                     f"config.features ({config.features})")
+  if config.num_kv_heads is not None:
+    positive("num_kv_heads")
+    if config.num_heads % config.num_kv_heads:
+      raise ValueError(f"config.num_kv_heads ({config.num_kv_heads}) must divide "
+                       f"config.num_heads ({config.num_heads})")
+  if config.layout not in LAYOUTS:
+    raise ValueError(f"config.layout must be one of {LAYOUTS}, got {config.layout!r}")
+  if config.position_encoding not in POSITION_ENCODINGS:
+    raise ValueError(f"config.position_encoding must be one of {POSITION_ENCODINGS}, "
+                     f"got {config.position_encoding!r}")
+  if (config.position_encoding == "rope"
+      and (config.features // config.num_heads) % 2):
+    raise ValueError(f"config.position_encoding 'rope' needs an even depth per head, "
+                     f"config.features // config.num_heads, got "
+                     f"{config.features // config.num_heads}")
+  if config.seq_len < 3 * config.num_kv_pairs:
+    raise ValueError(f"config.seq_len ({config.seq_len}) must be at least 3 * "
+                     f"config.num_kv_pairs ({config.num_kv_pairs}): the pairs, then "
+                     "a place for each query")
+  if config.vocab_size // 2 - 1 < config.num_kv_pairs:
+    raise ValueError(f"config.vocab_size ({config.vocab_size}) is too small for "
+                     f"config.num_kv_pairs ({config.num_kv_pairs}) distinct keys")
+  devices = jax.device_count()
+  if config.batch_size % devices:
+    raise ValueError(f"config.batch_size ({config.batch_size}) must be divisible by "
+                     f"the number of devices ({devices})")
+  if not config.learning_rate > 0:
+    raise ValueError(f"config.learning_rate must be positive, got {config.learning_rate!r}")
+  if config.warmup_steps < 0 or config.warmup_steps >= config.num_steps:
+    raise ValueError(f"config.warmup_steps must be in [0, config.num_steps), got "
+                     f"{config.warmup_steps!r}")
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+  """A 1-D mesh ("data",) over every device: data parallel.
+
+  Axes are named so that model/sequence axes can be added here from config
+  fields, e.g. jax.make_mesh((data, model, seq), ("data", "model", "seq")).
+  """
+  del config  # no mesh fields yet
+  # Auto axes: shardings of intermediates are left to the compiler (GSPMD)
+  return jax.make_mesh((jax.device_count(),), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def model_config(config) -> TransformerConfig:
+  return TransformerConfig(
+      vocab_size=config.vocab_size, max_len=config.seq_len,
+      num_layers=config.num_layers, features=config.features,
+      num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+      mlp_features=config.mlp_features, layout=config.layout,
+      implementation=config.implementation, position_encoding=config.position_encoding,
+      previous_token_embedding=config.previous_token_embedding)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+      decay_steps=config.num_steps, end_value=0.01 * config.learning_rate)
+  return optax.chain(
+      optax.clip_by_global_norm(config.grad_clip),
+      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=config.weight_decay))
+
+
+def create_state(config, attention=None):
+  """(graphdef, optimizer, state): state = {"step", "params", "opt_state"}, a pytree."""
+  kwargs = {} if attention is None else {"attention": attention}
+  model = Transformer(model_config(config), rngs=nnx.Rngs(config.seed), **kwargs)
+  graphdef, params = nnx.split(model, nnx.Param)
+  tx = make_optimizer(config)
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+  return graphdef, tx, state
+
+
+def loss_and_accuracy(model, batch):
+  """Mean cross-entropy and accuracy at the answer positions only (the LM head
+  runs on those P positions, not on all T)."""
+  hidden = model.take(model.hidden(batch["tokens"]), batch["positions"])
+  logits = model.logits(hidden)  # [B, P, V]
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["answers"])  # [B, P]
+  correct = (jnp.argmax(logits, axis=-1) == batch["answers"]).astype(jnp.float32)
+  return jnp.mean(ce), jnp.mean(correct)
+
+
+def make_train_step(graphdef, tx):
+  """A pure train_step(state, batch) -> (state, metrics)."""
+  def train_step(state, batch):
+    def loss_fn(params):
+      return loss_and_accuracy(nnx.merge(graphdef, params), batch)
+    (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes float and int32 counts
+      updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+    return new_state, {"loss": loss, "accuracy": accuracy,
+                       "grad_norm": optax.tree.norm(grads)}
+  return train_step
+
+
+def make_eval_step(graphdef):
+  def eval_step(params, batch):
+    return loss_and_accuracy(nnx.merge(graphdef, params), batch)
+  return eval_step
+
+
+def evaluate(eval_step, params, examples, batch_size, sharding) -> dict[str, float]:
+  n = len(examples["tokens"]) // batch_size * batch_size
+  losses, accs = [], []
+  for i in range(0, n, batch_size):
+    batch = jax.device_put({k: v[i:i + batch_size] for k, v in examples.items()}, sharding)
+    loss, acc = eval_step(params, batch)
+    losses.append(float(loss))
+    accs.append(float(acc))
+  return {"loss": float(np.mean(losses)), "accuracy": float(np.mean(accs))}
+
+
+class MetricsLog:
+  """metrics.jsonl: one JSON object per line, {"step", "split", ...}."""
+
+  def __init__(self, path: pathlib.Path, resume_step: int):
+    self.path = path
+    kept = []
+    if path.exists():  # lines past the checkpoint were from a run that did not finish
+      kept = [l for l in path.read_text().splitlines() if json.loads(l)["step"] <= resume_step]
+    path.write_text("".join(l + "\n" for l in kept))
+
+  def write(self, step: int, split: str, values: dict[str, Any]) -> None:
+    with self.path.open("a") as f:
+      f.write(json.dumps({"step": step, "split": split, **values}) + "\n")
+
+
+def train_and_evaluate(config, workdir, *, stop_after: int | None = None) -> dict:
+  """Trains (or resumes) and returns the final state; stop_after: stop after that
+  step without a final checkpoint, as if killed (for tests)."""
+  check_config(config)
+  workdir = pathlib.Path(workdir).resolve()
+  mesh = make_mesh(config)
+  replicated = NamedSharding(mesh, P())
+  batch_sharding = NamedSharding(mesh, P("data"))  # the batch axis B split over devices
+
+  graphdef, tx, state = create_state(config)
+  state = jax.device_put(state, replicated)
+  manager = ocp.CheckpointManager(
+      workdir / "checkpoints",
+      options=ocp.CheckpointManagerOptions(max_to_keep=3, create=True))
+  start = manager.latest_step() or 0
+  if start:
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+  log = MetricsLog(workdir / "metrics.jsonl", start)
+
+  train_step = jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(graphdef))
+  held_out = mqar_data.held_out(config)
+  last = config.num_steps if stop_after is None else min(stop_after, config.num_steps)
+
+  bar = tqdm(range(start + 1, last + 1), initial=start, total=config.num_steps,
+             desc="train", dynamic_ncols=True)
+  tick, tick_step, running = time.perf_counter(), start, []
+  for step in bar:
+    batch = jax.device_put(mqar_data.train_batch(config, step - 1), batch_sharding)
+    state, metrics = train_step(state, batch)
+    running.append(metrics)
+    if step % config.log_every == 0 or step == last:
+      values = {k: float(np.mean([m[k] for m in running])) for k in running[0]}
+      now = time.perf_counter()
+      values["steps_per_second"] = (step - tick_step) / (now - tick)
+      tick, tick_step, running = now, step, []
+      log.write(step, "train", values)
+      bar.set_postfix(loss=f"{values['loss']:.3f}", acc=f"{values['accuracy']:.3f}",
+                      steps_per_s=f"{values['steps_per_second']:.1f}")
+    if step % config.eval_every == 0 or step == config.num_steps:
+      log.write(step, "held_out", evaluate(eval_step, state["params"], held_out,
+                                           config.batch_size, batch_sharding))
+    if step % config.checkpoint_every == 0 or step == config.num_steps:
+      manager.save(step, args=ocp.args.StandardSave(state))
+  bar.close()
+  manager.wait_until_finished()
+  manager.close()
+  if last == config.num_steps:
+    model = nnx.merge(graphdef, state["params"])
+    plots.write_all(workdir, log.path, model,
+                    {k: v[:1] for k, v in held_out.items()})
+  return state

@@ -1,0 +1,99 @@
+"""The pure functions behind both Flax modules: projections into and out of heads.
+
+rows:    x [B, T, F] -> 'BTF,FNH->BTNH' -> attention in layout "BTNH" -> 'BTNH,NHF->BTF'
+columns: x [B, F, T] -> 'BFT,FNH->BNHT' -> attention in layout "BNHT" -> 'BNHT,NHF->BFT'
+
+The kernels are [F, N, H] (in) and [N, H, F] (out) in both layouts, as in
+flax.nnx.MultiHeadAttention, so weights move between the modules unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LAYOUTS = ("rows", "columns")
+# the dot_product_attention layout of the per-head arrays, per module layout
+HEADS_LAYOUT = {"rows": "BTNH", "columns": "BNHT"}
+_IN = {"rows": "BTF,FNH->BTNH", "columns": "BFT,FNH->BNHT"}
+_OUT = {"rows": "BTNH,NHF->BTF", "columns": "BNHT,NHF->BFT"}
+
+
+def check_layout(layout) -> str:
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  return layout
+
+
+def feature_axis(layout: str) -> int:
+  """Axis of F in the module's inputs: [B, T, F] (rows) or [B, F, T] (columns)."""
+  return -1 if layout == "rows" else -2
+
+
+def token_axis(layout: str) -> int:
+  """Axis of T in the module's inputs [B, T, F] / [B, F, T]."""
+  return -2 if layout == "rows" else -1
+
+
+def heads_token_axis(layout: str) -> int:
+  """Axis of T (S) in the per-head arrays [B, T, N, H] (rows) / [B, N, H, T] (columns)."""
+  return 1 if layout == "rows" else 3
+
+
+def check_inputs(name: str, x, in_features: int, layout: str) -> jax.Array:
+  """x is [B, T, F] (rows) or [B, F, T] (columns) with F == in_features."""
+  x = jnp.asarray(x)
+  legend = "[B, T, F]" if layout == "rows" else "[B, F, T]"
+  if x.ndim != 3:
+    raise ValueError(f"{name}: expected rank 3 {legend} for layout {layout!r}, "
+                     f"got shape {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype} "
+                    f"with shape {x.shape}")
+  F = x.shape[feature_axis(layout)]
+  if F != in_features:
+    raise ValueError(f"{name}: expected features F = in_features = {in_features} "
+                     f"on axis {feature_axis(layout)} of {legend}, got shape {x.shape}")
+  return x
+
+
+def compute_dtype(dtype, *arrays):
+  """`dtype` if given, else the promoted dtype of the inputs and parameters (as flax)."""
+  return dtype if dtype is not None else jnp.result_type(*arrays)
+
+
+def project_in(x, kernel, bias, *, layout: str, dtype=None) -> jax.Array:
+  """x [B, T, F] or [B, F, T], kernel [F, N, H], bias [N, H] | None
+  -> [B, T, N, H] (rows) or [B, N, H, T] (columns)."""
+  dtype = compute_dtype(dtype, x, kernel, *(() if bias is None else (bias,)))
+  y = jnp.einsum(_IN[layout], x.astype(dtype), kernel.astype(dtype))
+  if bias is not None:
+    bias = bias.astype(dtype)
+    y = y + (bias if layout == "rows" else bias[:, :, None])  # [N, H] or [N, H, 1]
+  return y
+
+
+def project_out(y, kernel, bias, *, layout: str, dtype=None) -> jax.Array:
+  """y [B, T, N, H] or [B, N, H, T], kernel [N, H, F], bias [F] | None
+  -> [B, T, F] (rows) or [B, F, T] (columns)."""
+  dtype = compute_dtype(dtype, y, kernel, *(() if bias is None else (bias,)))
+  out = jnp.einsum(_OUT[layout], y.astype(dtype), kernel.astype(dtype))
+  if bias is not None:
+    bias = bias.astype(dtype)
+    out = out + (bias if layout == "rows" else bias[:, None])  # [F] or [F, 1]
+  return out
+
+
+def check_heads(num_heads: int, qkv_features: int, num_kv_heads: int) -> int:
+  """Returns the depth per head H = qkv_features // num_heads."""
+  for name, v in (("num_heads", num_heads), ("qkv_features", qkv_features),
+                  ("num_kv_heads", num_kv_heads)):
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  if qkv_features % num_heads != 0:
+    raise ValueError(f"qkv_features ({qkv_features}) must be divisible by "
+                     f"num_heads ({num_heads})")
+  if num_heads % num_kv_heads != 0:
+    raise ValueError(f"num_heads ({num_heads}) must be divisible by "
+                     f"num_kv_heads ({num_kv_heads})")
+  return qkv_features // num_heads

@@ -1,0 +1,70 @@
+"""The key/value cache of autoregressive decoding, as pure functions of positions.
+
+Each batch element b has its own cache position index[b]: the number of tokens
+already in its cache. A call writes its lengths[b] new tokens at positions
+index[b], index[b] + 1, ... and its queries attend causally to everything
+cached up to their own position. Prompts of different lengths therefore share
+one batch, and decoding one token at a time continues each from its own end.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _along(x: jax.Array, ndim: int, axis: int) -> jax.Array:
+  """[B, L] -> rank-`ndim` array with B on axis 0, L on `axis`, size 1 elsewhere."""
+  shape = [1] * ndim
+  shape[0], shape[axis] = x.shape
+  return x.reshape(shape)
+
+
+def write(cache: jax.Array, new: jax.Array, index: jax.Array, lengths: jax.Array,
+          *, token_axis: int) -> jax.Array:
+  """Writes new[b, t] at cache position index[b] + t for each t < lengths[b].
+
+  cache: [B, S, K, H] (rows) or [B, K, H, S] (columns); new: the same with T for S;
+  index, lengths: int [B]. Positions past S are dropped. No transpose: the new
+  tokens are gathered along the token axis of either layout.
+  """
+  token_axis = token_axis % cache.ndim
+  S, T = cache.shape[token_axis], new.shape[token_axis]
+  t = jnp.arange(S)[None, :] - index[:, None]  # [B, S]: the new token landing on s
+  written = (t >= 0) & (t < lengths[:, None])  # [B, S]
+  source = _along(jnp.clip(t, 0, T - 1), cache.ndim, token_axis)
+  # [B, S, K, H] or [B, K, H, S]: new tokens moved to their cache positions
+  moved = jnp.take_along_axis(new, source, axis=token_axis, mode="clip")
+  return jnp.where(_along(written, cache.ndim, token_axis), moved.astype(cache.dtype), cache)
+
+
+def decode_mask(index: jax.Array, T: int, S: int) -> jax.Array:
+  """bool [B, 1, T, S]: query t, at position index[b] + t, attends cached keys s <= it."""
+  q_pos = index[:, None] + jnp.arange(T)[None, :]  # [B, T]
+  return jnp.arange(S)[None, None, None, :] <= q_pos[:, None, :, None]
+
+
+def check_lengths(lengths, B: int, T: int) -> jax.Array:
+  """lengths: int [B] tokens in each row of the inputs (None: all T)."""
+  if lengths is None:
+    return jnp.full((B,), T, jnp.int32)
+  lengths = jnp.asarray(lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"lengths must be an integer array [B], got dtype {lengths.dtype} "
+                    f"with shape {lengths.shape}")
+  if lengths.shape != (B,):
+    raise ValueError(f"lengths: expected shape [B] = {(B,)}, got shape {lengths.shape}")
+  return lengths.astype(jnp.int32)
+
+
+def step(cached_key, cached_value, index, key, value, lengths, *, token_axis: int):
+  """One decoding call: writes key/value into the caches and builds the mask.
+
+  cached_*: [B, S, K, H] or [B, K, H, S]; key/value: the same with T for S;
+  index, lengths: int [B]. Returns (cached_key, cached_value, index + lengths,
+  mask bool [B, 1, T, S]).
+  """
+  T, S = key.shape[token_axis], cached_key.shape[token_axis]
+  cached_key = write(cached_key, key, index, lengths, token_axis=token_axis)
+  cached_value = write(cached_value, value, index, lengths, token_axis=token_axis)
+  return cached_key, cached_value, index + lengths, decode_mask(index, T, S)

@@ -1,0 +1,212 @@
+"""A small decoder-only Transformer built from jattn.nnx.MultiHeadAttention.
+
+tokens int [B, T] -> token embeddings (+ learned position embeddings, or
+rotary embeddings of q and k in every attention layer; optionally + an embedding
+of the previous token, a width-2 causal convolution over the tokens like the
+short convolutions of H3/Based, so one attention layer can match a query to
+the token after its earlier occurrence) -> num_layers pre-norm blocks
+(x + attention(norm(x)), x + mlp(norm(x))) -> norm -> LM head -> logits [B, T, V]. The residual stream is [B, T, F] (layout="rows") or [B, F, T]
+(layout="columns"); E is the MLP's hidden width, V the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import jattn.nnx
+from jattn.rope import DEFAULT_BASE, rope_heads
+
+POSITION_ENCODINGS = ("learned", "rope")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  vocab_size: int
+  max_len: int
+  num_layers: int = 2
+  features: int = 64        # F
+  num_heads: int = 4        # N
+  num_kv_heads: int | None = None  # K (None: N)
+  mlp_features: int = 256   # E
+  layout: str = "rows"
+  implementation: str | None = None
+  dropout_rate: float = 0.0
+  dtype: jnp.dtype | None = None
+  position_encoding: str = "learned"  # "learned" (added to the embeddings) or "rope"
+  rope_base: float = DEFAULT_BASE
+  previous_token_embedding: bool = False  # add an embedding of token t-1 at t
+
+
+class RotaryMultiHeadAttention(jattn.nnx.MultiHeadAttention):
+  """jattn.nnx.MultiHeadAttention with rotary embeddings on the per-head query
+  and key (the parameters are the same; the cache holds rotated keys)."""
+
+  def __init__(self, *args, rope_base: float = DEFAULT_BASE, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.rope_base = rope_base
+
+  def encode_positions(self, query, key, query_positions, key_positions):
+    rotate = dict(layout=self.layout, base=self.rope_base)
+    return (rope_heads(query, query_positions, **rotate),
+            rope_heads(key, key_positions, **rotate))
+
+
+def jattn_attention(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
+  kwargs = dict(num_kv_heads=config.num_kv_heads, dropout_rate=config.dropout_rate,
+                layout=config.layout, implementation=config.implementation,
+                dtype=config.dtype, rngs=rngs)
+  if config.position_encoding == "rope":
+    return RotaryMultiHeadAttention(config.num_heads, config.features,
+                                    rope_base=config.rope_base, **kwargs)
+  return jattn.nnx.MultiHeadAttention(config.num_heads, config.features, **kwargs)
+
+
+_MLP_IN = {"rows": "BTF,FE->BTE", "columns": "BFT,FE->BET"}
+_MLP_OUT = {"rows": "BTE,EF->BTF", "columns": "BET,EF->BFT"}
+_HEAD = {"rows": "BTF,FV->BTV", "columns": "BFT,FV->BTV"}
+
+
+class MLP(nnx.Module):
+  """x -> gelu(x W_in + b_in) W_out + b_out along the feature axis of either layout."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    F, E = config.features, config.mlp_features
+    init = nnx.initializers.lecun_normal()
+    self.w_in = nnx.Param(init(rngs.params(), (F, E)))  # [F, E]
+    self.b_in = nnx.Param(jnp.zeros((E,)))
+    self.w_out = nnx.Param(init(rngs.params(), (E, F)))  # [E, F]
+    self.b_out = nnx.Param(jnp.zeros((F,)))
+    self.layout = config.layout
+
+  def __call__(self, x):
+    bias = (lambda b: b) if self.layout == "rows" else (lambda b: b[:, None])
+    h = jax.nn.gelu(jnp.einsum(_MLP_IN[self.layout], x, self.w_in[...]) + bias(self.b_in[...]))
+    return jnp.einsum(_MLP_OUT[self.layout], h, self.w_out[...]) + bias(self.b_out[...])
+
+
+def _norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
+  axis = -1 if config.layout == "rows" else -2  # F of [B, T, F] or [B, F, T]
+  return nnx.LayerNorm(config.features, reduction_axes=axis, feature_axes=axis, rngs=rngs)
+
+
+class Block(nnx.Module):
+  """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, config: TransformerConfig, attention: Callable, *, rngs: nnx.Rngs):
+    self.attention_norm = _norm(config, rngs)
+    self.attention = attention(config, rngs)
+    self.mlp_norm = _norm(config, rngs)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, **attention_kwargs):
+    x = x + self.attention(self.attention_norm(x), is_causal=True, **attention_kwargs)
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nnx.Module):
+  """Decoder-only language model. `attention(config, rngs)` builds each layer's
+  attention module (default jattn.nnx.MultiHeadAttention; any module with the
+  call signature of flax.nnx.MultiHeadAttention works, e.g. for comparisons)."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
+               attention: Callable = jattn_attention):
+    if config.position_encoding not in POSITION_ENCODINGS:
+      raise ValueError(f"position_encoding must be one of {POSITION_ENCODINGS}, "
+                       f"got {config.position_encoding!r}")
+    self.config = config
+    embed_init = nnx.initializers.normal(0.02)
+    self.token_embed = nnx.Embed(config.vocab_size, config.features,
+                                 embedding_init=embed_init, rngs=rngs)
+    self.previous_embed = (nnx.Embed(config.vocab_size, config.features,
+                                     embedding_init=embed_init, rngs=rngs)
+                           if config.previous_token_embedding else nnx.data(None))
+    self.last_token = nnx.data(None)
+    self.position_embed = (
+        nnx.Param(embed_init(rngs.params(), (config.max_len, config.features)))
+        if config.position_encoding == "learned" else nnx.data(None))
+    self.blocks = nnx.List([Block(config, attention, rngs=rngs)
+                            for _ in range(config.num_layers)])
+    if config.position_encoding == "rope" and not all(
+        isinstance(b.attention, RotaryMultiHeadAttention) for b in self.blocks):
+      raise ValueError("position_encoding='rope' needs attention modules that rotate "
+                       "q and k (RotaryMultiHeadAttention); the model would have no "
+                       "positions otherwise")
+    self.final_norm = _norm(config, rngs)
+    self.head = nnx.Param(nnx.initializers.lecun_normal()(
+        rngs.params(), (config.features, config.vocab_size)))  # [F, V]
+
+  def init_cache(self, batch_size: int, max_length: int | None = None) -> None:
+    """KV caches for decode=True (max_length defaults to config.max_len)."""
+    for block in self.blocks:
+      block.attention.init_cache(batch_size, max_length or self.config.max_len)
+    if self.previous_embed is not None:
+      self.last_token = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
+
+  def __call__(self, tokens, *, decode: bool = False, lengths=None,
+               deterministic: bool | None = None, sow_weights: bool = False):
+    """tokens int [B, T] -> logits float32 [B, T, V].
+
+    decode=True continues each batch element from its cache position (a prompt
+    first, then single tokens); lengths int [B]: valid tokens per row.
+    """
+    return self.logits(self.hidden(tokens, decode=decode, lengths=lengths,
+                                   deterministic=deterministic, sow_weights=sow_weights))
+
+  def hidden(self, tokens, *, decode: bool = False, lengths=None,
+             deterministic: bool | None = None, sow_weights: bool = False):
+    """tokens int [B, T] -> the normalised last residual stream [B, T, F] (rows) or
+    [B, F, T] (columns), before the LM head (`logits`)."""
+    B, T = tokens.shape
+    if decode:
+      start = self.blocks[0].attention.cache_index[...]  # [B]
+    else:
+      start = jnp.zeros((B,), jnp.int32)
+    x = self.token_embed(tokens)  # [B, T, F]
+    if self.previous_embed is not None:
+      x = x + self._previous(tokens, start, decode, lengths)
+    if self.position_embed is not None:  # learned; rope acts inside the attention
+      positions = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
+      x = x + jnp.take(self.position_embed[...], positions, axis=0, mode="clip")
+    if self.config.layout == "columns":
+      x = jnp.swapaxes(x, 1, 2)  # [B, F, T]: the residual stream as columns
+    kwargs = {}
+    if decode:
+      kwargs["decode"] = True
+    if lengths is not None:
+      kwargs["lengths"] = lengths
+    if deterministic is not None:
+      kwargs["deterministic"] = deterministic
+    if sow_weights:
+      kwargs["sow_weights"] = True
+    for block in self.blocks:
+      x = block(x, **kwargs)
+    return self.final_norm(x)
+
+  def _previous(self, tokens, start, decode, lengths):
+    """[B, T, F]: the embedding of each token's predecessor (zeros at position 0);
+    with decode=True the first one is the last token cached for its row."""
+    B, T = tokens.shape
+    first = self.last_token[...] if decode else jnp.zeros((B,), tokens.dtype)  # [B]
+    previous = jnp.concatenate([first[:, None], tokens[:, :-1]], axis=1)  # [B, T]
+    has_previous = (start[:, None] + jnp.arange(T)[None, :]) > 0  # [B, T]
+    if decode:
+      n = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+      last = jnp.take_along_axis(tokens, jnp.clip(n - 1, 0, T - 1)[:, None], axis=1)[:, 0]
+      self.last_token[...] = jnp.where(n > 0, last, first)
+    return jnp.where(has_previous[:, :, None], self.previous_embed(previous), 0.0)
+
+  def take(self, hidden, positions):
+    """hidden [B, T, F] or [B, F, T], positions int [B, P] -> [B, P, F] or [B, F, P]."""
+    if self.config.layout == "rows":
+      return jnp.take_along_axis(hidden, positions[:, :, None], axis=1)
+    return jnp.take_along_axis(hidden, positions[:, None, :], axis=2)
+
+  def logits(self, hidden):
+    """hidden [B, T, F] or [B, F, T] -> logits float32 [B, T, V] (the LM head)."""
+    return jnp.einsum(_HEAD[self.config.layout], hidden, self.head[...],
+                      preferred_element_type=jnp.float32)

@@ -1,0 +1,113 @@
+"""KV-cache decoding: a prompt, then one token at a time, equals the full causal pass."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jattn
+import jattn.linen
+import jattn.nnx
+
+B, L, F, MAX = 3, 8, 16, 10
+PROMPTS = np.array([2, 5, 1])  # a different prompt length per batch element
+
+
+def _columns(layout, x):
+  return x if layout == "rows" else jnp.swapaxes(x, 1, 2)
+
+
+def _token(layout, x, t):
+  """Token t of each batch element, t int [B]: [B, 1, F] (rows) or [B, F, 1] (columns)."""
+  rows = jnp.take_along_axis(x, jnp.asarray(t)[:, None, None], axis=1)
+  return _columns(layout, rows)
+
+
+def _decode(call, layout, x):
+  """Outputs [B, L, F] from decoding: prompts of PROMPTS[b] tokens, then single tokens."""
+  out = np.zeros((B, L, F), np.float32)
+  first = _columns(layout, call(_columns(layout, x[:, :PROMPTS.max()]),
+                                jnp.asarray(PROMPTS, jnp.int32)))
+  for b in range(B):
+    out[b, :PROMPTS[b]] = first[b, :PROMPTS[b]]
+  for j in range(L - PROMPTS.min()):
+    t = np.minimum(PROMPTS + j, L - 1)  # elements already at the end repeat their last token
+    step = _columns(layout, call(_token(layout, x, t), None))[:, 0]
+    for b in range(B):
+      if PROMPTS[b] + j < L:
+        out[b, PROMPTS[b] + j] = step[b]
+  return out
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_nnx_decoding_equals_full_causal_pass(layout):
+  x = jax.random.normal(jax.random.key(0), (B, L, F), jnp.float32)
+  m = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=2, layout=layout, rngs=nnx.Rngs(0))
+  full = _columns(layout, m(_columns(layout, x), is_causal=True))  # [B, L, F]
+  m.init_cache(B, MAX)
+  got = _decode(lambda inp, lengths: m(inp, is_causal=True, decode=True, lengths=lengths),
+                layout, x)
+  np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(m.cache_index[...], PROMPTS + L - PROMPTS.min())
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_linen_decoding_equals_full_causal_pass(layout):
+  x = jax.random.normal(jax.random.key(0), (B, L, F), jnp.float32)
+  m = jattn.linen.MultiHeadAttention(4, num_kv_heads=1, layout=layout)
+  blank = _columns(layout, jnp.zeros((B, MAX, F)))
+  variables = m.init(jax.random.key(1), blank, is_causal=True, decode=True)
+  params, cache = {"params": variables["params"]}, {"cache": variables["cache"]}
+  full = _columns(layout, m.apply(params, _columns(layout, x), is_causal=True))
+
+  def call(inp, lengths):
+    nonlocal cache
+    out, updated = m.apply(params | cache, inp, is_causal=True, decode=True,
+                           lengths=lengths, mutable=["cache"])
+    cache = updated
+    return out
+
+  np.testing.assert_allclose(_decode(call, layout, x), full, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_needs_causal_and_self_attention():
+  m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
+  m.init_cache(B, MAX)
+  x = jnp.zeros((B, 1, F))
+  with pytest.raises(ValueError, match="is_causal=True"):
+    m(x, decode=True)
+  with pytest.raises(ValueError, match="inputs_kv must be None"):
+    m(x, x, is_causal=True, decode=True)
+  with pytest.raises(ValueError, match=r"lengths: expected shape \[B\] = \(3,\), got shape \(2,\)"):
+    m(x, is_causal=True, decode=True, lengths=jnp.array([1, 1]))
+
+
+@pytest.mark.parametrize("position_encoding, previous_token_embedding",
+                         [("learned", False), ("rope", False), ("rope", True)])
+def test_transformer_decoding_equals_full_pass_and_layouts_agree(position_encoding,
+                                                                 previous_token_embedding):
+  from jattn.transformer import Transformer, TransformerConfig
+  config = TransformerConfig(vocab_size=32, max_len=MAX, num_layers=2, features=F,
+                             num_heads=4, num_kv_heads=2, mlp_features=32,
+                             position_encoding=position_encoding,
+                             previous_token_embedding=previous_token_embedding)
+  tokens = jax.random.randint(jax.random.key(0), (B, L), 0, 32)
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  full = model(tokens)  # [B, L, V]
+  columns = Transformer(dataclasses.replace(config, layout="columns"), rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(columns(tokens), full, rtol=1e-5, atol=1e-5)
+  model.init_cache(B)
+  first = model(tokens[:, :PROMPTS.max()], decode=True, lengths=jnp.asarray(PROMPTS))
+  got = np.zeros(full.shape, np.float32)
+  for b in range(B):
+    got[b, :PROMPTS[b]] = first[b, :PROMPTS[b]]
+  for j in range(L - PROMPTS.min()):
+    t = np.minimum(PROMPTS + j, L - 1)
+    step = model(jnp.asarray(tokens)[np.arange(B), t][:, None], decode=True)[:, 0]
+    for b in range(B):
+      if PROMPTS[b] + j < L:
+        got[b, PROMPTS[b] + j] = step[b]
+  np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,122 @@
+"""The training example on the tiny config: outputs, resume equality, bad configs, 8 devices."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import mqar_data  # noqa: E402
+import training  # noqa: E402
+from configs import tiny  # noqa: E402
+
+
+def _params(state):
+  return jax.tree.leaves(jax.tree.map(np.asarray, state["params"]))
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+  """The tiny config trained 6 steps without stopping."""
+  workdir = tmp_path_factory.mktemp("straight")
+  return workdir, training.train_and_evaluate(tiny.get_config(), workdir)
+
+
+def test_writes_metrics_checkpoints_and_plots(straight_run):
+  workdir, _ = straight_run
+  lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  train = [l for l in lines if l["split"] == "train"]
+  assert [l["step"] for l in train] == [1, 2, 3, 4, 5, 6]
+  assert all(np.isfinite(l["loss"]) and 0 <= l["accuracy"] <= 1 for l in train)
+  assert [l["step"] for l in lines if l["split"] == "held_out"] == [3, 6]
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
+                if p.name.isdigit()) == [2, 4, 6]
+  for png in ("loss.png", "accuracy.png", "attention.png"):
+    assert (workdir / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_killed_and_resumed_run_ends_with_identical_parameters(straight_run, tmp_path):
+  _, straight = straight_run
+  config = tiny.get_config()
+  # killed after step 5: the last checkpoint is step 4, so step 5 is trained again
+  stopped = training.train_and_evaluate(config, tmp_path, stop_after=5)
+  assert not (tmp_path / "checkpoints" / "5").exists()
+  resumed = training.train_and_evaluate(config, tmp_path)
+  assert int(resumed["step"]) == 6
+  for a, b in zip(_params(straight), _params(resumed)):
+    np.testing.assert_array_equal(a, b)
+  assert any(not np.array_equal(a, b) for a, b in zip(_params(stopped), _params(resumed)))
+  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
+           if json.loads(l)["split"] == "train"]
+  assert steps == [1, 2, 3, 4, 5, 6]  # the replayed step 5 is logged once
+
+
+def test_data_is_a_function_of_seed_and_step_and_answers_are_recallable():
+  config = tiny.get_config()
+  a, b = mqar_data.train_batch(config, 3), mqar_data.train_batch(config, 3)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert not np.array_equal(a["tokens"], mqar_data.train_batch(config, 4)["tokens"])
+  P = config.num_kv_pairs
+  for tokens, positions, answers in zip(a["tokens"], a["positions"], a["answers"]):
+    pairs = dict(zip(tokens[0:2 * P:2], tokens[1:2 * P:2]))
+    assert len(pairs) == P  # distinct keys
+    assert len(set(positions)) == P and positions.min() >= 2 * P
+    assert dict(zip(tokens[positions], answers)) == pairs  # each key queried once
+    rest = np.delete(tokens[2 * P:], positions - 2 * P)
+    assert (rest == mqar_data.FILLER).all() and mqar_data.FILLER not in pairs
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_steps", 0, "config.num_steps must be a positive int"),
+    ("batch_size", -4, "config.batch_size must be a positive int"),
+    ("num_heads", 3, r"config.num_heads \(3\) must divide config.features \(16\)"),
+    ("layout", "diagonal", "config.layout must be one of"),
+    ("position_encoding", "alibi", "config.position_encoding must be one of"),
+    ("num_kv_heads", 3, r"config.num_kv_heads \(3\) must divide config.num_heads \(2\)"),
+])
+def test_bad_config_fails_at_start_and_writes_nothing(tmp_path, field, value, message):
+  config = tiny.get_config()
+  config[field] = value
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match=message):
+    training.train_and_evaluate(config, workdir)
+  assert not workdir.exists()
+
+
+_EIGHT_DEVICES = """
+import json, sys
+sys.path[:0] = [{root!r}, {examples!r}]
+import jax, training
+from configs import tiny
+config = tiny.get_config()
+config.num_steps, config.warmup_steps = 3, 1
+training.train_and_evaluate(config, sys.argv[1])
+print(json.dumps({{"devices": jax.device_count()}}))
+"""
+
+
+@pytest.mark.slow
+def test_eight_devices_give_the_loss_of_one(tmp_path):
+  def run(devices):
+    workdir = tmp_path / str(devices)
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    code = _EIGHT_DEVICES.format(root=str(ROOT), examples=str(ROOT / "examples"))
+    result = subprocess.run([sys.executable, "-c", code, str(workdir)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["devices"] == devices
+    return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  one, eight = run(1), run(8)
+  assert [l["step"] for l in one] == [l["step"] for l in eight]
+  for a, b in zip(one, eight):
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    np.testing.assert_allclose(a["accuracy"], b["accuracy"], rtol=1e-6)
