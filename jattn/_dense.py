@@ -29,7 +29,9 @@ class Dropout:
 
 def dense_mask_and_keep(mask, spec: MaskSpec, dropout: Dropout | None, B, N, T, S):
   """The user's mask ANDed with the structural masks ([B|1, N|1, T, S] or None),
-  and the dropout multipliers [B, N, T, S] (or None)."""
+  the dropout multipliers [B, N, T, S] (or None), and whether a query row may
+  be left with no key (then its weights must be zeroed after the softmax)."""
+  may_empty_a_row = mask is not None or spec.may_empty_a_row(T, S)
   mask = combine_masks(mask, spec.full(T, S))
   keep = None if dropout is None else dropout.multipliers((B, N, T, S))
-  return mask, keep
+  return mask, keep, may_empty_a_row

@@ -92,6 +92,18 @@ class MaskSpec:
             and self.q_lengths is None and self.kv_lengths is None
             and self.q_segment_ids is None)
 
+  def may_empty_a_row(self, T: int, S: int) -> bool:
+    """Whether some query may be left with no key to attend to.
+
+    Causal alone always leaves key 0 (S >= 1); a window leaves key i to every
+    query i < S + left; lengths and segment ids are data, so they may.
+    """
+    if self.q_lengths is not None or self.kv_lengths is not None:
+      return True
+    if self.q_segment_ids is not None or S == 0:
+      return True
+    return self.local_window is not None and T > S + self.local_window[0]
+
   def block(self, q_pos: jax.Array, kv_pos: jax.Array,
             q_ids: jax.Array | None = None,
             kv_ids: jax.Array | None = None) -> jax.Array | None:

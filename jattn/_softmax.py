@@ -12,14 +12,18 @@ import numpy as np
 LARGE_NEGATIVE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def masked_softmax(logits: jax.Array, mask: jax.Array | None, axis: int) -> jax.Array:
+def masked_softmax(logits: jax.Array, mask: jax.Array | None, axis: int, *,
+                   may_empty_a_row: bool = True) -> jax.Array:
   """Softmax of float32 `logits` along `axis`; entries where `mask` is False get 0.
 
-  A row with no True entry in `mask` returns all zeros.
+  A row with no True entry in `mask` returns all zeros. may_empty_a_row=False
+  promises there is no such row, and saves a pass over the logits.
   """
   if mask is None:
     return jax.nn.softmax(logits, axis=axis)
   weights = jax.nn.softmax(jnp.where(mask, logits, LARGE_NEGATIVE), axis=axis)
+  if not may_empty_a_row:
+    return weights
   # Zeroing after the softmax is what makes a fully masked row zero; elsewhere
   # the masked entries are already exactly 0 after exp underflows.
   return jnp.where(mask, weights, 0.0)

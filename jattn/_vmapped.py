@@ -33,7 +33,7 @@ def vmapped_attention(query, key, value, bias, mask, spec: MaskSpec,
   N = query.shape[layout.axis("N")]
   B = query.shape[layout.axis("B")]
   T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
-  mask, keep = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
+  mask, keep, _ = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
   query = split_heads(query, layout.axis("N"), K)
   q_sub, k_sub, v_sub = layout.grouped(layout.query), layout.key, layout.value
   out_sub = layout.grouped(layout.out)

@@ -41,7 +41,7 @@ def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
   """
   B, N, T = (query.shape[layout.axis(c)] for c in "BNT")
   S, K = (key.shape[layout.axis(c)] for c in "SK")
-  mask, keep = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
+  mask, keep, may_empty_a_row = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
   q_sub = layout.grouped(layout.query)
   out_sub = layout.grouped(layout.out)
   logits_sub = _logits_subscripts(q_sub)
@@ -55,7 +55,8 @@ def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
                       preferred_element_type=dtype) * scale
   if bias is not None:
     logits = logits + to_logits(bias).astype(dtype)
-  weights = masked_softmax(logits, to_logits(mask), axis=-1)
+  weights = masked_softmax(logits, to_logits(mask), axis=-1,
+                           may_empty_a_row=may_empty_a_row)
   used = weights if keep is None else weights * to_logits(keep).astype(dtype)
   out = jnp.einsum(f"{logits_sub},{layout.value}->{out_sub}", used.astype(value.dtype),
                    value, preferred_element_type=dtype)
