@@ -20,9 +20,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.layout = "rows"  # "rows" (activations [B, T, F]) or "columns" ([B, F, T])
   config.position_encoding = "rope"  # "rope" (rotary q and k in every layer) or "learned"
   config.previous_token_embedding = True  # add an embedding of token t-1 at t (see README)
-  config.implementation = config_dict.placeholder(str)  # jattn.dot_product_attention implementation (None: best)
+  config.implementation = config_dict.placeholder(str)  # jattn.dot_product_attention implementation (None: best; "ring" when mesh.seq > 1)
+  # devices: a ("data", "model", "seq") mesh; data * model * seq = all devices
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = -1  # devices on the batch axis B (-1: all that model and seq leave)
+  config.mesh.model = 1  # devices on the heads and MLP hidden units (tensor parallel)
+  config.mesh.seq = 1  # devices on the sequence axis T (ring attention)
   # optimisation
-  config.batch_size = 16  # B: examples per step, split over all devices
+  config.batch_size = 16  # B: examples per step, split over mesh.data devices
   config.num_steps = 1500  # training steps
   config.learning_rate = 3e-3  # AdamW peak learning rate
   config.warmup_steps = 100  # linear warm-up to the peak, then cosine decay to 1% of it

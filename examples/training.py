@@ -1,6 +1,7 @@
 """Training the jattn Transformer on MQAR: config checks, mesh, pure train step, loop.
 
-`train_and_evaluate(config, workdir)` trains data-parallel over every device,
+`train_and_evaluate(config, workdir)` trains over every device on a
+("data", "model", "seq") mesh (config.mesh: batch, heads, sequence),
 resumes from the latest orbax checkpoint in `workdir`, and writes there
 metrics.jsonl, checkpoints/ and the PNG plots.
 """
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 import mqar_data
 import plots
+from jattn import sharding
 from jattn.transformer import POSITION_ENCODINGS, Transformer, TransformerConfig
 
 LAYOUTS = ("rows", "columns")
@@ -64,10 +66,7 @@ def check_config(config) -> None:
   if config.vocab_size // 2 - 1 < config.num_kv_pairs:
     raise ValueError(f"config.vocab_size ({config.vocab_size}) is too small for "
                      f"config.num_kv_pairs ({config.num_kv_pairs}) distinct keys")
-  devices = jax.device_count()
-  if config.batch_size % devices:
-    raise ValueError(f"config.batch_size ({config.batch_size}) must be divisible by "
-                     f"the number of devices ({devices})")
+  check_mesh(config)
   if not config.learning_rate > 0:
     raise ValueError(f"config.learning_rate must be positive, got {config.learning_rate!r}")
   if config.warmup_steps < 0 or config.warmup_steps >= config.num_steps:
@@ -75,25 +74,65 @@ def check_config(config) -> None:
                      f"{config.warmup_steps!r}")
 
 
+def mesh_shape(config) -> tuple[int, int, int]:
+  """(data, model, seq) device counts, with data = -1 resolved to what is left."""
+  model, seq = config.mesh.model, config.mesh.seq
+  data = jax.device_count() // (model * seq) if config.mesh.data == -1 else config.mesh.data
+  return data, model, seq
+
+
+def check_mesh(config) -> None:
+  for axis in ("model", "seq"):
+    value = config.mesh[axis]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      raise ValueError(f"config.mesh.{axis} must be a positive int, got {value!r}")
+  if config.mesh.data != -1 and (not isinstance(config.mesh.data, int)
+                                 or config.mesh.data <= 0):
+    raise ValueError(f"config.mesh.data must be -1 or a positive int, got "
+                     f"{config.mesh.data!r}")
+  data, model, seq = mesh_shape(config)
+  devices = jax.device_count()
+  if data * model * seq != devices:
+    raise ValueError(f"config.mesh data x model x seq = {config.mesh.data} x {model} x "
+                     f"{seq} must use all {devices} devices")
+  if config.batch_size % data:
+    raise ValueError(f"config.batch_size ({config.batch_size}) must be divisible by "
+                     f"the {data} devices of config.mesh.data")
+  heads = [("num_heads", config.num_heads), ("mlp_features", config.mlp_features)]
+  if config.num_kv_heads is not None:
+    heads.append(("num_kv_heads", config.num_kv_heads))
+  for name, value in heads:
+    if value % model:
+      raise ValueError(f"config.{name} ({value}) must be divisible by the {model} "
+                       f"devices of config.mesh.model")
+  if seq > 1:
+    if config.seq_len % (2 * seq):
+      raise ValueError(f"config.seq_len ({config.seq_len}) must be divisible by 2 x "
+                       f"config.mesh.seq = {2 * seq} (two causal chunks per device)")
+    if config.implementation not in (None, "ring"):
+      raise ValueError(f"config.mesh.seq = {seq} runs attention as a ring: "
+                       f"config.implementation must be None or 'ring', got "
+                       f"{config.implementation!r}")
+
+
 def make_mesh(config) -> jax.sharding.Mesh:
-  """A 1-D mesh ("data",) over every device: data parallel.
-
-  Axes are named so that model/sequence axes can be added here from config
-  fields, e.g. jax.make_mesh((data, model, seq), ("data", "model", "seq")).
-  """
-  del config  # no mesh fields yet
+  """The ("data", "model", "seq") mesh of config.mesh over every device."""
   # Auto axes: shardings of intermediates are left to the compiler (GSPMD)
-  return jax.make_mesh((jax.device_count(),), ("data",),
-                       axis_types=(jax.sharding.AxisType.Auto,))
+  return jax.make_mesh(mesh_shape(config), sharding.MESH_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
-def model_config(config) -> TransformerConfig:
+def model_config(config, *, for_weights: bool = False) -> TransformerConfig:
+  """The Transformer of `config`; for_weights: one whose attention forms the
+  weights (for plots), where training would run a ring."""
+  ring = config.mesh.seq > 1 and not for_weights
   return TransformerConfig(
       vocab_size=config.vocab_size, max_len=config.seq_len,
       num_layers=config.num_layers, features=config.features,
       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
       mlp_features=config.mlp_features, layout=config.layout,
-      implementation=config.implementation, position_encoding=config.position_encoding,
+      implementation="ring" if ring else config.implementation,
+      position_encoding=config.position_encoding,
       previous_token_embedding=config.previous_token_embedding)
 
 
@@ -147,11 +186,12 @@ def make_eval_step(graphdef):
   return eval_step
 
 
-def evaluate(eval_step, params, examples, batch_size, sharding) -> dict[str, float]:
+def evaluate(eval_step, params, examples, batch_size, batch_sharding) -> dict[str, float]:
   n = len(examples["tokens"]) // batch_size * batch_size
   losses, accs = [], []
   for i in range(0, n, batch_size):
-    batch = jax.device_put({k: v[i:i + batch_size] for k, v in examples.items()}, sharding)
+    batch = jax.device_put({k: v[i:i + batch_size] for k, v in examples.items()},
+                           batch_sharding)
     loss, acc = eval_step(params, batch)
     losses.append(float(loss))
     accs.append(float(acc))
@@ -179,11 +219,15 @@ def train_and_evaluate(config, workdir, *, stop_after: int | None = None) -> dic
   check_config(config)
   workdir = pathlib.Path(workdir).resolve()
   mesh = make_mesh(config)
-  replicated = NamedSharding(mesh, P())
-  batch_sharding = NamedSharding(mesh, P("data"))  # the batch axis B split over devices
+  with jax.set_mesh(mesh):  # the context mesh of implementation="ring"
+    return _train(config, workdir, mesh, stop_after)
 
+
+def _train(config, workdir, mesh, stop_after):
   graphdef, tx, state = create_state(config)
-  state = jax.device_put(state, replicated)
+  state_sharding = sharding.state_shardings(state, mesh)  # heads over "model"
+  batch_sharding = sharding.batch_shardings(mqar_data.train_batch(config, 0), mesh)
+  state = jax.device_put(state, state_sharding)
   manager = ocp.CheckpointManager(
       workdir / "checkpoints",
       options=ocp.CheckpointManagerOptions(max_to_keep=3, create=True))
@@ -193,7 +237,9 @@ def train_and_evaluate(config, workdir, *, stop_after: int | None = None) -> dic
     state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
   log = MetricsLog(workdir / "metrics.jsonl", start)
 
-  train_step = jax.jit(make_train_step(graphdef, tx), donate_argnums=0)
+  train_step = jax.jit(make_train_step(graphdef, tx), donate_argnums=0,
+                       in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=(state_sharding, NamedSharding(mesh, P())))
   eval_step = jax.jit(make_eval_step(graphdef))
   held_out = mqar_data.held_out(config)
   last = config.num_steps if stop_after is None else min(stop_after, config.num_steps)
@@ -222,6 +268,8 @@ def train_and_evaluate(config, workdir, *, stop_after: int | None = None) -> dic
   manager.wait_until_finished()
   manager.close()
   if last == config.num_steps:
+    plotting = model_config(config, for_weights=True)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(plotting, rngs=nnx.Rngs(0))))
     model = nnx.merge(graphdef, state["params"])
     plots.write_all(workdir, log.path, model,
                     {k: v[:1] for k, v in held_out.items()})

@@ -81,42 +81,63 @@ def test_data_is_a_function_of_seed_and_step_and_answers_are_recallable():
     ("layout", "diagonal", "config.layout must be one of"),
     ("position_encoding", "alibi", "config.position_encoding must be one of"),
     ("num_kv_heads", 3, r"config.num_kv_heads \(3\) must divide config.num_heads \(2\)"),
+    ("mesh.model", 0, "config.mesh.model must be a positive int"),
+    ("mesh.seq", 2, r"config.mesh data x model x seq = -1 x 1 x 2 must use all 1 devices"),
+    ("mesh.data", 2, r"config.mesh data x model x seq = 2 x 1 x 1 must use all 1 devices"),
 ])
 def test_bad_config_fails_at_start_and_writes_nothing(tmp_path, field, value, message):
   config = tiny.get_config()
-  config[field] = value
+  *parents, name = field.split(".")
+  node = config
+  for parent in parents:
+    node = node[parent]
+  node[name] = value
   workdir = tmp_path / "run"
   with pytest.raises(ValueError, match=message):
     training.train_and_evaluate(config, workdir)
   assert not workdir.exists()
 
 
-_EIGHT_DEVICES = """
+_ON_DEVICES = """
 import json, sys
 sys.path[:0] = [{root!r}, {examples!r}]
 import jax, training
 from configs import tiny
 config = tiny.get_config()
 config.num_steps, config.warmup_steps = 3, 1
-training.train_and_evaluate(config, sys.argv[1])
-print(json.dumps({{"devices": jax.device_count()}}))
+runs = []
+for i, (data, model, seq) in enumerate({meshes!r}):
+  config.mesh.data, config.mesh.model, config.mesh.seq = data, model, seq
+  workdir = f"{{sys.argv[1]}}/{{i}}"
+  state = training.train_and_evaluate(config, workdir)
+  kernel = state["params"]["blocks"][0]["attention"]["query"]["kernel"][...]
+  metrics = [json.loads(l) for l in open(f"{{workdir}}/metrics.jsonl")]
+  runs.append({{"metrics": metrics, "kernel_spec": str(kernel.sharding.spec)}})
+print(json.dumps({{"devices": jax.device_count(), "runs": runs}}))
 """
+
+
+def _train_on(devices, meshes, workdir):
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  code = _ON_DEVICES.format(root=str(ROOT), examples=str(ROOT / "examples"), meshes=meshes)
+  result = subprocess.run([sys.executable, "-c", code, str(workdir)], env=env,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.strip().splitlines()[-1])
+  assert out["devices"] == devices
+  return out["runs"]
 
 
 @pytest.mark.slow
 def test_eight_devices_give_the_loss_of_one(tmp_path):
-  def run(devices):
-    workdir = tmp_path / str(devices)
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
-    code = _EIGHT_DEVICES.format(root=str(ROOT), examples=str(ROOT / "examples"))
-    result = subprocess.run([sys.executable, "-c", code, str(workdir)], env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1])["devices"] == devices
-    return [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-  one, eight = run(1), run(8)
-  assert [l["step"] for l in one] == [l["step"] for l in eight]
-  for a, b in zip(one, eight):
-    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
-    np.testing.assert_allclose(a["accuracy"], b["accuracy"], rtol=1e-6)
+  """Data parallel over 8 devices, and a 2x2x2 mesh (batch over data, heads over
+  model, sequence as a ring over seq): the same losses as one device."""
+  [one] = _train_on(1, [(1, 1, 1)], tmp_path / "one")
+  data_parallel, cube = _train_on(8, [(8, 1, 1), (2, 2, 2)], tmp_path / "eight")
+  assert cube["kernel_spec"] == "P(None, 'model', None)"  # heads split over model
+  for run in (data_parallel, cube):
+    assert [l["step"] for l in run["metrics"]] == [l["step"] for l in one["metrics"]]
+    for a, b in zip(one["metrics"], run["metrics"]):
+      np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+      np.testing.assert_allclose(a["accuracy"], b["accuracy"], rtol=1e-6)
