@@ -190,12 +190,22 @@ def evaluate(eval_step, params, examples, batch_size, batch_sharding) -> dict[st
   n = len(examples["tokens"]) // batch_size * batch_size
   losses, accs = [], []
   for i in range(0, n, batch_size):
-    batch = jax.device_put({k: v[i:i + batch_size] for k, v in examples.items()},
-                           batch_sharding)
+    batch = put_global({k: v[i:i + batch_size] for k, v in examples.items()},
+                       batch_sharding)
     loss, acc = eval_step(params, batch)
     losses.append(float(loss))
     accs.append(float(acc))
   return {"loss": float(np.mean(losses)), "accuracy": float(np.mean(accs))}
+
+
+def put_global(tree, shardings):
+  """Places values that every process computes alike (batches are a function of
+  (seed, step), parameters of the seed) on the mesh. Each process fills only its
+  own devices, so this works across hosts as well as on one."""
+  def put(x, sharding):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return jax.tree.map(put, tree, shardings)
 
 
 class MetricsLog:
@@ -204,11 +214,15 @@ class MetricsLog:
   def __init__(self, path: pathlib.Path, resume_step: int):
     self.path = path
     kept = []
+    if jax.process_index() != 0:
+      return
     if path.exists():  # lines past the checkpoint were from a run that did not finish
       kept = [l for l in path.read_text().splitlines() if json.loads(l)["step"] <= resume_step]
     path.write_text("".join(l + "\n" for l in kept))
 
   def write(self, step: int, split: str, values: dict[str, Any]) -> None:
+    if jax.process_index() != 0:  # one writer when training across hosts
+      return
     with self.path.open("a") as f:
       f.write(json.dumps({"step": step, "split": split, **values}) + "\n")
 
@@ -227,7 +241,7 @@ def _train(config, workdir, mesh, stop_after):
   graphdef, tx, state = create_state(config)
   state_sharding = sharding.state_shardings(state, mesh)  # heads over "model"
   batch_sharding = sharding.batch_shardings(mqar_data.train_batch(config, 0), mesh)
-  state = jax.device_put(state, state_sharding)
+  state = put_global(state, state_sharding)
   manager = ocp.CheckpointManager(
       workdir / "checkpoints",
       options=ocp.CheckpointManagerOptions(max_to_keep=3, create=True))
@@ -245,10 +259,10 @@ def _train(config, workdir, mesh, stop_after):
   last = config.num_steps if stop_after is None else min(stop_after, config.num_steps)
 
   bar = tqdm(range(start + 1, last + 1), initial=start, total=config.num_steps,
-             desc="train", dynamic_ncols=True)
+             desc="train", dynamic_ncols=True, disable=jax.process_index() != 0)
   tick, tick_step, running = time.perf_counter(), start, []
   for step in bar:
-    batch = jax.device_put(mqar_data.train_batch(config, step - 1), batch_sharding)
+    batch = put_global(mqar_data.train_batch(config, step - 1), batch_sharding)
     state, metrics = train_step(state, batch)
     running.append(metrics)
     if step % config.log_every == 0 or step == last:
@@ -267,7 +281,7 @@ def _train(config, workdir, mesh, stop_after):
   bar.close()
   manager.wait_until_finished()
   manager.close()
-  if last == config.num_steps:
+  if last == config.num_steps and jax.process_index() == 0:
     plotting = model_config(config, for_weights=True)
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(plotting, rngs=nnx.Rngs(0))))
     model = nnx.merge(graphdef, state["params"])
