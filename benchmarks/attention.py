@@ -165,10 +165,15 @@ def time_case(T, dtype, causal, mode, builders, rounds, warmup):
       print(f"  {name}: failed: {type(e).__name__}: {str(e)[:120]}")
       runs.pop(name, None)
   times = {name: [] for name in runs}
+  order = list(runs)
+  shuffle = np.random.default_rng(T)
   for _ in range(rounds):  # interleaved rounds: load drifts hit everyone alike
-    for name, run in runs.items():
+    # A new order each round: no contender always runs right after the same
+    # neighbour (after "xla" frees its [T, S] logits, the next run pays for it).
+    shuffle.shuffle(order)
+    for name in order:
       t0 = time.perf_counter()
-      run()
+      runs[name]()
       times[name].append(time.perf_counter() - t0)
   return {name: float(np.median(t)) for name, t in times.items()}
 

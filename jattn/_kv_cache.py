@@ -68,3 +68,13 @@ def step(cached_key, cached_value, index, key, value, lengths, *, token_axis: in
   cached_key = write(cached_key, key, index, lengths, token_axis=token_axis)
   cached_value = write(cached_value, value, index, lengths, token_axis=token_axis)
   return cached_key, cached_value, index + lengths, decode_mask(index, T, S)
+
+
+def check_call(self_attention: bool, is_causal: bool) -> None:
+  """decode=True is causal self-attention over the cache; anything else is refused."""
+  if not self_attention:
+    raise ValueError("decode=True is self-attention over the cache: inputs_kv "
+                     "must be None")
+  if not is_causal:
+    raise ValueError("decode=True attends causally over the cache: pass "
+                     "is_causal=True")

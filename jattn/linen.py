@@ -107,12 +107,7 @@ class MultiHeadAttention(nn.Module):
     return _heads.project_out(out, *out_proj(), **heads)
 
   def _decode(self, self_attention, key, value, mask, is_causal, lengths):
-    if not self_attention:
-      raise ValueError("decode=True is self-attention over the cache: inputs_kv "
-                       "must be None")
-    if not is_causal:
-      raise ValueError("decode=True attends causally over the cache: pass "
-                       "is_causal=True")
+    _kv_cache.check_call(self_attention, is_causal)
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)

@@ -156,12 +156,7 @@ class MultiHeadAttention(nnx.Module):
     if self.cache_index is None:
       raise ValueError("decode=True needs a cache: call init_cache(batch_size, "
                        "max_length) first")
-    if not self_attention:
-      raise ValueError("decode=True is self-attention over the cache: inputs_kv "
-                       "must be None")
-    if not is_causal:
-      raise ValueError("decode=True attends causally over the cache: pass "
-                       "is_causal=True")
+    _kv_cache.check_call(self_attention, is_causal)
     axis = _heads.heads_token_axis(self.layout)
     if key.shape[0] != self.cached_key.shape[0]:
       raise ValueError(f"decode: inputs batch B = {key.shape[0]} does not match the "
