@@ -18,9 +18,9 @@ from jattn._attend import attend
 from jattn._attention import attention, project_qkv
 from jattn._block_sizes import BlockSizes
 from jattn._dot_product_attention import dot_product_attention
-from jattn._ring_attention import ring_attention
 from jattn._masks import (causal_mask, combine_masks, local_mask, padding_mask,
                           segment_mask)
+from jattn._ring_attention import ring_attention
 
 __all__ = [
     "BlockSizes",
@@ -37,4 +37,5 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-from jattn import linen, nnx  # noqa: E402  (the Flax modules, after the core they wrap)
+# The Flax modules and the sharding rules, after the core they build on.
+from jattn import linen, nnx, sharding  # noqa: E402
