@@ -45,7 +45,6 @@ def kv_blocks(spec: MaskSpec, q_first, q_last, kv_offset, kv_size: int,
   [visible_lo, visible_hi) (inside it) the blocks every such query sees
   entirely, so they need no mask. kv_size is the true (unpadded) number of keys.
   """
-  nk = _ceil_div(kv_size, block)
   kv_min, kv_end = jnp.int32(0), jnp.int32(_BIG)  # some query sees [kv_min, kv_end)
   vis_min, vis_end = jnp.int32(0), jnp.int32(_BIG)  # every query sees [vis_min, vis_end)
   if spec.is_causal:
@@ -62,21 +61,12 @@ def kv_blocks(spec: MaskSpec, q_first, q_last, kv_offset, kv_size: int,
   # No key for queries past every length; not every query is valid past the least.
   kv_end = jnp.where(q_first >= _max_or_big(spec.q_lengths), kv_min, kv_end)
   vis_end = jnp.where(q_last >= _min_or_big(spec.q_lengths), vis_min, vis_end)
-  lo = jnp.clip(_floor_div(kv_min - kv_offset, block), 0, nk)
-  hi = jnp.clip(_ceil_div(kv_end - kv_offset, block), lo, nk)
-  # Only whole blocks of real keys are visible: the last one may hold padding.
-  vis_lo = jnp.clip(_ceil_div(vis_min - kv_offset, block), lo, hi)
-  vis_hi = jnp.clip(_floor_div(jnp.minimum(vis_end - kv_offset, kv_size), block),
-                    vis_lo, hi)
-  if spec.q_segment_ids is not None:
-    vis_lo = vis_hi = hi  # segments are tested block by block, always masked
-  return lo, hi, vis_lo, vis_hi
+  return _block_range(spec, kv_min, kv_end, vis_min, vis_end, kv_offset, kv_size, block)
 
 
 def q_blocks(spec: MaskSpec, kv_first, kv_last, q_offset, q_size: int,
              block: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """The transpose of `kv_blocks`: q block indices for keys [kv_first, kv_last]."""
-  nq = _ceil_div(q_size, block)
   q_min, q_end = jnp.int32(0), jnp.int32(_BIG)
   vis_min, vis_end = jnp.int32(0), jnp.int32(_BIG)
   if spec.is_causal:  # query i sees key j when j <= i
@@ -92,13 +82,21 @@ def q_blocks(spec: MaskSpec, kv_first, kv_last, q_offset, q_size: int,
   vis_end = jnp.minimum(vis_end, _min_or_big(spec.q_lengths))
   q_end = jnp.where(kv_first >= _max_or_big(spec.kv_lengths), q_min, q_end)
   vis_end = jnp.where(kv_last >= _min_or_big(spec.kv_lengths), vis_min, vis_end)
-  lo = jnp.clip(_floor_div(q_min - q_offset, block), 0, nq)
-  hi = jnp.clip(_ceil_div(q_end - q_offset, block), lo, nq)
-  vis_lo = jnp.clip(_ceil_div(vis_min - q_offset, block), lo, hi)
-  vis_hi = jnp.clip(_floor_div(jnp.minimum(vis_end - q_offset, q_size), block),
-                    vis_lo, hi)
+  return _block_range(spec, q_min, q_end, vis_min, vis_end, q_offset, q_size, block)
+
+
+def _block_range(spec, first, end, vis_first, vis_end, offset, size: int, block: int):
+  """Global position ranges -> (lo, hi, visible_lo, visible_hi) block indices of a
+  range of `size` positions starting at `offset`: [first, end) some position
+  needs, [vis_first, vis_end) every position sees whole."""
+  count = _ceil_div(size, block)
+  lo = jnp.clip(_floor_div(first - offset, block), 0, count)
+  hi = jnp.clip(_ceil_div(end - offset, block), lo, count)
+  # Only whole blocks of real positions are visible: the last one may hold padding.
+  vis_lo = jnp.clip(_ceil_div(vis_first - offset, block), lo, hi)
+  vis_hi = jnp.clip(_floor_div(jnp.minimum(vis_end - offset, size), block), vis_lo, hi)
   if spec.q_segment_ids is not None:
-    vis_lo = vis_hi = hi
+    vis_lo = vis_hi = hi  # segments are tested block by block, always masked
   return lo, hi, vis_lo, vis_hi
 
 
