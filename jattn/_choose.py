@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 # On CPU, blockwise beats the dense einsum from this many logits per head
-# (T * S) on; measured by benchmarks/attention.py (README, "Blockwise
-# attention and benchmark"), float32 and bfloat16, forward and backward.
-CPU_BLOCKWISE_FROM = 1024 * 1024
+# (T * S) on: measured with both laid out for XLA:CPU's matmuls, float32 and
+# bfloat16, forward and forward+backward, causal or not, at T = S in 64..4096
+# (README, "Blockwise attention and benchmark"). At 64 they tie.
+CPU_BLOCKWISE_FROM = 128 * 128
 
 
 def default_implementation(*, platform: str, T: int, S: int, return_weights: bool,
