@@ -105,9 +105,13 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
         keep = g.rows(g.mask(i, j)) if masked else None
         s = s if keep is None else jnp.where(keep, s, LARGE_NEGATIVE)
         m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        if keep is not None:  # a row with no key left keeps l = 0
-          p = jnp.where(keep, p, 0.0)
+        shift = m_new
+        if keep is not None:
+          # A masked logit is LARGE_NEGATIVE, so exp(s - m_new) is 0 there unless
+          # the row has no visible key yet (m_new = LARGE_NEGATIVE). Shifting such
+          # a row by 0 keeps its weights 0 (and l = 0) without a pass to zero them.
+          shift = jnp.where(m_new > LARGE_NEGATIVE, m_new, 0.0)
+        p = jnp.exp(s - shift[..., None])
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(axis=-1)
         used = p if g.dropout is None else p * g.rows(g.dropout_multipliers(i, j))
