@@ -153,7 +153,7 @@ def inputs(T, dtype):
                for _ in range(3))
 
 
-def time_case(T, dtype, causal, mode, builders, rounds, warmup):
+def time_case(T, dtype, causal, mode, builders, rounds, warmup, settle):
   q, k, v = inputs(T, dtype)
   runs = {}
   for name, build in builders.items():
@@ -172,6 +172,16 @@ def time_case(T, dtype, causal, mode, builders, rounds, warmup):
     # neighbour (after "xla" frees its [T, S] logits, the next run pays for it).
     shuffle.shuffle(order)
     for name in order:
+      # Before each timed call, untimed calls of the same contender for `settle`
+      # seconds (at least one). After a dense contender frees its GBs of logits
+      # the machine stays busy for a while and the next contender paid for it
+      # (causal forward at 4096 with jax.nn in the run: jattn 229 -> 154 ms,
+      # torch 166 -> 134 ms once absorbed); an idle pause instead makes XLA's
+      # parked threads slow for the next few calls (jattn at 1024: 16 -> 34 ms).
+      until = time.perf_counter() + settle
+      runs[name]()
+      while time.perf_counter() < until:
+        runs[name]()
       t0 = time.perf_counter()
       runs[name]()
       times[name].append(time.perf_counter() - t0)
@@ -285,6 +295,8 @@ def main():
                  "jax.nn,flax.nnx,torch")
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--warmup", type=int, default=1)
+  p.add_argument("--settle", type=float, default=0.5,
+                 help="seconds of untimed calls of a contender before each timed one")
   p.add_argument("--memory", action="store_true",
                  help="also measure peak memory per case (a child process each)")
   p.add_argument("--memory-only", action="store_true",
@@ -306,7 +318,7 @@ def main():
   results = {"config": dict(B=B, N=N, H=H, cpu_count=os.cpu_count(),
                             platform=jax.devices()[0].platform, jax=jax.__version__,
                             torch=getattr(_torch(), "__version__", None),
-                            rounds=args.rounds, argv=sys.argv[1:]),
+                            rounds=args.rounds, settle_s=args.settle, argv=sys.argv[1:]),
              "cases": [], "memory": []}
   if not args.memory_only:
     builders = contenders(args.contenders.split(","))
@@ -316,7 +328,8 @@ def main():
         for causal in causals:
           for T in map(int, args.sizes.split(",")):
             print(f"T={T} {dtype} causal={causal} {mode}", flush=True)
-            ms = time_case(T, dtype, causal, mode, builders, args.rounds, args.warmup)
+            ms = time_case(T, dtype, causal, mode, builders, args.rounds, args.warmup,
+                           args.settle)
             results["cases"].append(dict(
                 T=T, dtype=dtype, causal=causal, mode=mode, flops=flops(T, causal, mode),
                 ms={k: v * 1e3 for k, v in ms.items()},

@@ -99,7 +99,7 @@ def dot_product_attention(
       letters B, T, N, H: "BTNH" (jax.nn's), "BNTH" (PyTorch's), "BNHT"
       (tokens as columns), or without B.
     implementation: None (the fastest correct one for the platform and shape:
-      on CPU "blockwise" from T * S >= 1024 * 1024 and "xla" below; on GPU
+      on CPU "blockwise" from T * S >= 128 * 128 and "xla" below; on GPU
       "cudnn" where it applies), "xla" (einsum), "vmap" (single-head attention
       under jax.vmap), "blockwise" (flash-style, memory linear in T and S,
       no weights) or "cudnn" (jax.nn's fused GPU kernel; a ValueError where it
