@@ -132,11 +132,11 @@ def flops(T, causal, mode):
   return f * (3.5 if mode == "fwdbwd" else 1.0)
 
 
-def matmul_roofline(T, rounds):
-  """GFLOP/s of a float32 [T, H] x [H, S] matmul (S = T), measured now."""
+def matmul_gflops(m, k, n, rounds):
+  """GFLOP/s of a float32 [m, k] x [k, n] matmul, measured now (median of rounds)."""
   rng = np.random.default_rng(2)
-  a = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
-  b = jnp.asarray(rng.standard_normal((H, T)), jnp.float32)
+  a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
   f = jax.jit(jnp.matmul)
   f(a, b).block_until_ready()
   times = []
@@ -144,7 +144,12 @@ def matmul_roofline(T, rounds):
     t0 = time.perf_counter()
     f(a, b).block_until_ready()
     times.append(time.perf_counter() - t0)
-  return 2.0 * T * T * H / np.median(times) / 1e9
+  return 2.0 * m * k * n / np.median(times) / 1e9
+
+
+def matmul_roofline(T, rounds):
+  """GFLOP/s of a float32 [T, H] x [H, S] matmul (S = T), measured now."""
+  return matmul_gflops(T, H, T, rounds)
 
 
 def inputs(T, dtype):
@@ -153,8 +158,9 @@ def inputs(T, dtype):
                for _ in range(3))
 
 
-def time_case(T, dtype, causal, mode, builders, rounds, warmup, settle):
-  q, k, v = inputs(T, dtype)
+def time_case(q, k, v, causal, mode, builders, rounds, warmup, settle):
+  """Median seconds per call of every contender on the inputs q, k, v [B, T, N, H]."""
+  dtype = str(q.dtype)
   runs = {}
   for name, build in builders.items():
     try:
@@ -166,7 +172,7 @@ def time_case(T, dtype, causal, mode, builders, rounds, warmup, settle):
       runs.pop(name, None)
   times = {name: [] for name in runs}
   order = list(runs)
-  shuffle = np.random.default_rng(T)
+  shuffle = np.random.default_rng(q.shape[1])  # seeded by T
   for _ in range(rounds):  # interleaved rounds: load drifts hit everyone alike
     # A new order each round: no contender always runs right after the same
     # neighbour (after "xla" frees its [T, S] logits, the next run pays for it).
@@ -328,8 +334,8 @@ def main():
         for causal in causals:
           for T in map(int, args.sizes.split(",")):
             print(f"T={T} {dtype} causal={causal} {mode}", flush=True)
-            ms = time_case(T, dtype, causal, mode, builders, args.rounds, args.warmup,
-                           args.settle)
+            ms = time_case(*inputs(T, dtype), causal, mode, builders, args.rounds,
+                           args.warmup, args.settle)
             results["cases"].append(dict(
                 T=T, dtype=dtype, causal=causal, mode=mode, flops=flops(T, causal, mode),
                 ms={k: v * 1e3 for k, v in ms.items()},

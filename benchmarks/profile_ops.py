@@ -32,6 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import attention  # noqa: E402  (benchmarks/attention.py, beside this script)
 import jattn  # noqa: E402
 
 
@@ -41,19 +42,6 @@ def build(args):
   if args.mode == "fwd":
     return jax.jit(attend)
   return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2)))
-
-
-def matmul_peak_gflops(size: int = 2048, calls: int = 5) -> float:
-  """GFLOP/s of a [size, size] x [size, size] float32 matmul: this machine's roofline."""
-  a = jnp.ones((size, size), jnp.float32)
-  f = jax.jit(jnp.dot)
-  f(a, a).block_until_ready()
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    f(a, a).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return 2 * size ** 3 / statistics.median(times) / 1e9
 
 
 def trace_events(f, inputs, calls: int):
@@ -108,7 +96,8 @@ def main():
   print(f"{args.implementation} {args.mode} B={args.B} T=S={args.T} N={args.N} H={args.H} "
         f"{args.dtype} causal={args.causal}: {1e3 * statistics.median(wall):.1f} ms per call "
         f"untraced (median of {args.calls}); a 2048^3 float32 matmul runs at "
-        f"{matmul_peak_gflops():.0f} GFLOP/s. Per operation, ms per call:")
+        f"{attention.matmul_gflops(2048, 2048, 2048, rounds=5):.0f} GFLOP/s. "
+        f"Per operation, ms per call:")
   for name, us in total.most_common(args.top):
     print(f"{us / 1e3 / args.calls:9.1f} ms  x{count[name] // args.calls:<5d} {name}")
     if args.hlo:

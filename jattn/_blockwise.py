@@ -163,7 +163,7 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
   lse = g.row_blocks(lse.astype(g.acc).reshape(g.B, g.K, g.G, g.T), "BKGT", _ROWS,
                      pad_value=jnp.inf)
   q_rows, q_cols, k_rows, k_cols, v_rows = g.q_rows, g.q_cols, g.k_rows, g.k_cols, g.v_rows
-  cols = lambda x: x[:, :, None, :]  # per-row [B, K, R] against [B, K, bk, R]
+  over_keys = lambda x: x[:, :, None, :]  # per-row [B, K, R] against [B, K, bk, R]
 
   def kv_block(carry, j):
     dq_t, d_bias = carry
@@ -183,7 +183,7 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
                          preferred_element_type=g.acc)  # q carries the scale
         if g.bias is not None:
           s_t = s_t + g.cols(g.bias_block(i, j)).astype(g.acc)
-        p_t = jnp.exp(s_t - cols(_at(lse, i)))  # the final weights, transposed
+        p_t = jnp.exp(s_t - over_keys(_at(lse, i)))  # the final weights, transposed
         if masked:
           p_t = jnp.where(g.cols(g.mask(i, j)), p_t, 0.0)
         dp_t = jnp.einsum(f"BKSD,BKDR->{_LOGITS_T}", vb, _at(do_cols, i),
@@ -194,7 +194,7 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
           used_t, dp_t = p_t * keep_t, dp_t * keep_t
         dv = dv + jnp.einsum(f"{_LOGITS_T},BKRD->BKSD", used_t.astype(g.dtype),
                              _at(do_rows, i), preferred_element_type=g.acc)
-        ds_t = p_t * (dp_t - cols(_at(delta, i)))  # d logits, before the scale
+        ds_t = p_t * (dp_t - over_keys(_at(delta, i)))  # d logits, before the scale
         if d_bias is not None:
           d_bias = g.add_bias_grad(d_bias, ds_t, i, j)
         ds_t = ds_t.astype(g.dtype)
