@@ -17,7 +17,3 @@ if str(ROOT) not in sys.path:
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
 
-
-def pytest_configure(config):
-  config.addinivalue_line("markers", "slow: longer-running tests")
-
