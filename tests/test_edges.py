@@ -1,0 +1,127 @@
+"""Block edges on purpose: "blockwise" against a float64 NumPy reference (values and
+the plainly written gradient of tests/reference_grads.py), for every mask, with
+block sizes that divide neither T nor S, T != S, and ranges at global offsets
+(the ring's contract), so that block edges fall inside the masked regions.
+
+An off-by-one in which blocks a pass visits drops or adds a whole row or column
+of one block; the shapes below make every residue of a mask edge modulo the
+block sizes occur, so some block edge meets it. Letters: B T S N K G H D.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import _blockwise
+from jattn._layout import Layout
+from jattn._masks import MaskSpec
+from reference_grads import reference_vjp
+
+B, N, K, H = 2, 2, 1, 4  # G = 2 query heads per kv head
+TOL = dict(rtol=1e-5, atol=1e-5)
+# (T, S, bq, bk): no block size divides its length, T != S both ways, and
+# bq, bk coprime so block edges of q and kv meet every mask edge.
+SHAPES = [(11, 14, 4, 3), pytest.param((14, 9, 3, 5), marks=pytest.mark.thorough)]
+
+
+def _inputs(T, S, seed=0):
+  rng = np.random.default_rng(seed)
+  q, k, v, d_out = (rng.standard_normal(shape).astype(np.float32) for shape in (
+      (B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)))
+  return q, k, v, d_out
+
+
+def _masks(name, T, S, seed=1):
+  """The mask arguments of case `name` for lengths T, S: edges off the block grid."""
+  rng = np.random.default_rng(seed)
+  ids = lambda L, cuts: np.searchsorted(np.array(cuts), np.arange(L), side="right")[None].repeat(B, 0)
+  return {
+      "causal": dict(is_causal=True),
+      "window": dict(local_window_size=(3, 2)),
+      "causal_window": dict(is_causal=True, local_window_size=4),
+      "lengths": dict(query_seq_lengths=np.array([T - 2, 5]),
+                      key_value_seq_lengths=np.array([S - 4, 7])),
+      "segments": dict(q_segment_ids=ids(T, [2, 7]), kv_segment_ids=ids(S, [5, 6])),
+      "mask": dict(mask=rng.random((B, 1, T, S)) < 0.6),
+  }[name]
+
+
+MASKS = ["causal", "window", "causal_window", "lengths", "segments", "mask"]
+
+
+def _to_jax(kwargs):
+  return {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kwargs.items()}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["T11S14", "T14S9"])
+@pytest.mark.parametrize("name", MASKS)
+def test_blockwise_matches_float64_reference_at_block_edges(name, shape):
+  T, S, bq, bk = shape
+  q, k, v, d_out = _inputs(T, S)
+  masks = _masks(name, T, S)
+  fn = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation="blockwise", block_sizes=jattn.BlockSizes(q=bq, kv=bk),
+      **_to_jax(masks))
+  out, pullback = jax.vjp(fn, q, k, v)
+  grads = pullback(jnp.asarray(d_out))
+  want = reference_vjp(q, k, v, d_out, **masks)
+  np.testing.assert_allclose(out, want[0], **TOL, err_msg="out")
+  for label, got, ref in zip(("d_query", "d_key", "d_value"), grads, want[1:4]):
+    np.testing.assert_allclose(got, ref, **TOL, err_msg=label)
+
+
+# ----------------------------------------------------------------- global offsets
+
+def _ranges(q, k, v, d_out, spec_of, q_cut, kv_cut, sizes, scale):
+  """Queries and keys each cut in two ranges at global offsets; per query range the
+  kv ranges' results are combined by lse, and backward contributions summed."""
+  T, S = q.shape[1], k.shape[1]
+  lay = Layout("BTNH")
+  q_parts, kv_parts = [(0, q_cut), (q_cut, T)], [(0, kv_cut), (kv_cut, S)]
+  outs, grads_q = [], []
+  grads_k, grads_v = jnp.zeros(k.shape), jnp.zeros(v.shape)
+  for t0, t1 in q_parts:
+    partial = [_blockwise.forward(
+        q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], None, None, spec_of(t0, t1, s0, s1), None,
+        scale, lay, t0, s0, sizes) for s0, s1 in kv_parts]
+    lse = jnp.logaddexp(*(l for _, l in partial))  # [B, N, t]
+    out = sum(o * jnp.exp(l - lse).transpose(0, 2, 1)[..., None] for o, l in partial)
+    dq = 0.0
+    for s0, s1 in kv_parts:
+      g = _blockwise.backward(
+          q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], None, None, spec_of(t0, t1, s0, s1), None,
+          scale, lay, t0, s0, sizes, out, lse, d_out[:, t0:t1])
+      dq = dq + g[0]
+      grads_k = grads_k.at[:, s0:s1].add(g[1])
+      grads_v = grads_v.at[:, s0:s1].add(g[2])
+    outs.append(out)
+    grads_q.append(dq)
+  return (jnp.concatenate(outs, 1), jnp.concatenate(grads_q, 1), grads_k, grads_v)
+
+
+@pytest.mark.parametrize("name", ["causal_window", "lengths",
+                                  pytest.param("segments", marks=pytest.mark.thorough)])
+def test_ranges_at_global_offsets_match_float64_reference(name):
+  """The raw primitives on ranges that start mid-block of the others: what a ring runs."""
+  T, S, bq, bk, q_cut, kv_cut = 13, 12, 3, 4, 5, 7
+  q, k, v, d_out = _inputs(T, S, seed=3)
+  masks = dict(_masks(name, T, S))
+  if name == "lengths":  # lengths in [T-2, 5] / [S-4, 7] plus causal, to cross offsets
+    masks["is_causal"] = True
+
+  def spec_of(t0, t1, s0, s1):
+    return MaskSpec(
+        is_causal=masks.get("is_causal", False),
+        local_window=(4, 4) if "local_window_size" in masks else None,
+        q_lengths=None if name != "lengths" else jnp.asarray(masks["query_seq_lengths"]),
+        kv_lengths=None if name != "lengths" else jnp.asarray(masks["key_value_seq_lengths"]),
+        q_segment_ids=None if name != "segments" else jnp.asarray(masks["q_segment_ids"][:, t0:t1]),
+        kv_segment_ids=None if name != "segments" else jnp.asarray(masks["kv_segment_ids"][:, s0:s1]))
+  # one jit for the eight raw calls: one compilation instead of eight
+  got = jax.jit(lambda *a: _ranges(*a, spec_of, q_cut, kv_cut, jattn.BlockSizes(q=bq, kv=bk),
+                                   0.5))(q, k, v, d_out)
+  want = reference_vjp(q, k, v, d_out, scale=0.5, **masks)
+  for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
+    np.testing.assert_allclose(g, w, **TOL, err_msg=label)
