@@ -377,8 +377,6 @@ def test_grads_match_jax_nn(name, implementation):
 # --------------------------------------------------------------------------
 # Low precision and large logits.
 
-LOW_TOL = {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}
-
 
 def _naive_low_precision(q, k, v, bias, mask):
   """Everything in the input dtype: how far a plain computation drifts."""
@@ -398,6 +396,7 @@ def _naive_low_precision(q, k, v, bias, mask):
 def test_low_precision(dtype, implementation):
   rng = np.random.default_rng(50)
   q, k, v = make_qkv(rng, B=2, T=5, S=6, N=4, K=2, H=8, D=8)
+  q, k = 3 * q, 3 * k  # logits ~ +-30: where half-precision logits go wrong
   bias = randn(rng, (2, 1, 5, 6))
   mask = random_mask(rng, (2, 4, 5, 6))
   mask[..., 0] = True
@@ -413,9 +412,11 @@ def test_low_precision(dtype, implementation):
   naive_err = np.max(np.abs(f64(naive) - want))
   err = np.max(np.abs(f64(out) - want))
   assert np.all(np.isfinite(f64(out)))
-  # float32 logits/softmax must do no worse than the naive low-precision
-  # computation, and stay within the output rounding tolerance.
-  assert err <= max(naive_err, LOW_TOL[dtype]), (err, naive_err)
+  # float32 logits/softmax: at most twice the naive error (the suite's rule),
+  # and at logits this large clearly below it (logits left in half precision
+  # would match the naive error).
+  assert err <= 2 * naive_err, (err, naive_err)
+  assert err <= 0.5 * naive_err, (err, naive_err)
 
 
 @pytest.mark.parametrize("implementation", IMPLS)
