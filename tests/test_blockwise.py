@@ -18,7 +18,6 @@ import jattn
 from jattn import _blockwise
 from jattn._block_sizes import default_block_sizes
 from jattn._choose import CPU_BLOCKWISE_FROM, default_implementation
-from jattn._dense import Dropout
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
 
@@ -220,8 +219,11 @@ def test_dropout_matches_dense_reference_with_the_same_draw():
   q, k, v = _arrays()
   rate, rng = 0.25, jax.random.key(7)
   Tp, Sp = 40, 32  # T, S rounded up to blocks of 8
-  draw = lambda i, j: Dropout(rate, jax.random.fold_in(jax.random.fold_in(rng, i), j)
-                              ).multipliers((B, N, 8, 8))
+  # the documented draw, straight from the rng: keep with probability 1 - rate,
+  # kept weights scaled by 1 / (1 - rate) (inverted dropout)
+  draw = lambda i, j: jax.random.bernoulli(
+      jax.random.fold_in(jax.random.fold_in(rng, i), j), 1 - rate, (B, N, 8, 8)
+  ).astype(jnp.float32) / (1 - rate)
   # keep [B, N, T, S]: block (i, j) drawn from the global positions of its corner
   keep = jax.jit(lambda: jnp.concatenate([jnp.concatenate(
       [draw(i, j) for j in range(0, Sp, 8)], axis=3) for i in range(0, Tp, 8)], axis=2))()
