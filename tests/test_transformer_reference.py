@@ -1,0 +1,109 @@
+"""The Transformer's forward pass against a plain NumPy float64 model written here,
+reading the same weights: every option (learned or rotary positions, the
+previous-token embedding, grouped-query heads, rows or columns, lengths, the
+implementation), so a wrong token, position or head fails a comparison with an
+independent computation, not with the model itself. Letters: B T S N K G H D F E V.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jattn.transformer import Transformer, TransformerConfig
+
+B, T, V, F, E = 2, 9, 11, 16, 24
+
+
+def _a(x):
+  return np.asarray(x[...], np.float64)
+
+
+def _layer_norm(x, norm, eps=1e-6):
+  """Over the last axis (flax's default epsilon)."""
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / np.sqrt(var + eps) * _a(norm.scale) + _a(norm.bias)
+
+
+def _gelu(x):  # jax.nn.gelu's default, the tanh approximation
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _rope(x, base):
+  """x [B, T, heads, H]: rotate the pairs (i, i + H/2) of token t by t * base^(-2i/H)."""
+  H = x.shape[-1]
+  angle = np.arange(x.shape[1])[:, None] * base ** (-2 * np.arange(H // 2) / H)  # [T, H/2]
+  cos, sin = np.cos(angle)[None, :, None], np.sin(angle)[None, :, None]
+  x1, x2 = x[..., :H // 2], x[..., H // 2:]
+  return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _attention(x, attn, config, lengths):
+  """Causal multi-head attention of x [B, T, F] with K kv heads, loops over heads."""
+  q = np.einsum("btf,fnh->btnh", x, _a(attn.query.kernel)) + _a(attn.query.bias)
+  k = np.einsum("btf,fkh->btkh", x, _a(attn.key.kernel)) + _a(attn.key.bias)
+  v = np.einsum("btf,fkh->btkh", x, _a(attn.value.kernel)) + _a(attn.value.bias)
+  if config.position_encoding == "rope":
+    q, k = _rope(q, config.rope_base), _rope(k, config.rope_base)
+  N, K, H = q.shape[2], k.shape[2], q.shape[3]
+  out = np.zeros(q.shape)
+  for b in range(B):
+    for n in range(N):
+      kv = n // (N // K)  # the kv head shared by this query head
+      logits = q[b, :, n] @ k[b, :, kv].T / np.sqrt(H)  # [T, S]
+      allowed = np.tril(np.ones((T, T), bool)) & (np.arange(T) < lengths[b])[None, :]
+      logits = np.where(allowed, logits, -np.inf)
+      m = logits.max(-1, keepdims=True)
+      w = np.where(allowed, np.exp(logits - np.where(np.isfinite(m), m, 0)), 0)
+      w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)
+      out[b, :, n] = w @ v[b, :, kv]
+  return np.einsum("btnh,nhf->btf", out, _a(attn.out.kernel)) + _a(attn.out.bias)
+
+
+def reference_logits(model, config, tokens, lengths):
+  """The model's logits [B, T, V], written out in float64 from its weights."""
+  tokens = np.asarray(tokens)
+  x = _a(model.token_embed.embedding)[tokens]  # [B, T, F]
+  if config.previous_token_embedding:
+    previous = _a(model.previous_embed.embedding)[np.roll(tokens, 1, axis=1)]
+    previous[:, 0] = 0.0  # the first token has no predecessor
+    x = x + previous
+  if config.position_encoding == "learned":
+    x = x + _a(model.position_embed)[:T][None]
+  for block in model.blocks:
+    x = x + _attention(_layer_norm(x, block.attention_norm), block.attention, config,
+                       lengths)
+    h = _layer_norm(x, block.mlp_norm)
+    h = _gelu(h @ _a(block.mlp.w_in) + _a(block.mlp.b_in))
+    x = x + h @ _a(block.mlp.w_out) + _a(block.mlp.b_out)
+  return _layer_norm(x, model.final_norm) @ _a(model.head)
+
+
+CONFIGS = {
+    "learned_rows": dict(),
+    "rope_columns_gqa_previous": dict(position_encoding="rope", layout="columns",
+                                      num_kv_heads=2, previous_token_embedding=True),
+    "learned_previous_mqa_blockwise": dict(num_kv_heads=1, previous_token_embedding=True,
+                                           implementation="blockwise"),
+    "rope_rows_gqa": dict(position_encoding="rope", num_kv_heads=2, rope_base=100.0),
+}
+
+
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_forward_matches_plain_float64_model(name, with_lengths):
+  config = TransformerConfig(vocab_size=V, max_len=T + 3, num_layers=2, features=F,
+                             num_heads=4, mlp_features=E, **CONFIGS[name])
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  for block in model.blocks:  # non-zero biases and norms, so each one is read
+    for param in (block.attention.query.bias, block.attention.out.bias,
+                  block.attention_norm.bias, block.mlp.b_in):
+      param[...] = 0.1 * jnp.asarray(np.random.default_rng(1).standard_normal(param.shape),
+                                     param[...].dtype)
+    block.mlp_norm.scale[...] = block.mlp_norm.scale[...] * 1.5
+  tokens = np.random.default_rng(2).integers(0, V, (B, T)).astype(np.int32)
+  lengths = np.array([T, 5] if with_lengths else [T, T], np.int32)
+  got = model(jnp.asarray(tokens), lengths=jnp.asarray(lengths) if with_lengths else None)
+  np.testing.assert_allclose(got, reference_logits(model, config, tokens, lengths),
+                             rtol=2e-4, atol=2e-4)
