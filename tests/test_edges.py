@@ -23,7 +23,7 @@ B, N, K, H = 2, 2, 1, 4  # G = 2 query heads per kv head
 TOL = dict(rtol=1e-5, atol=1e-5)
 # (T, S, bq, bk): no block size divides its length, T != S both ways, and
 # bq, bk coprime so block edges of q and kv meet every mask edge.
-SHAPES = [(11, 14, 4, 3), pytest.param((14, 9, 3, 5), marks=pytest.mark.thorough)]
+SHAPES = [(11, 14, 4, 3), (14, 9, 3, 5)]
 
 
 def _inputs(T, S, seed=0):
@@ -41,8 +41,8 @@ def _masks(name, T, S, seed=1):
       "causal": dict(is_causal=True),
       "window": dict(local_window_size=(3, 2)),
       "causal_window": dict(is_causal=True, local_window_size=4),
-      "lengths": dict(query_seq_lengths=np.array([T - 2, 5]),
-                      key_value_seq_lengths=np.array([S - 4, 7])),
+      "lengths": dict(query_seq_lengths=np.array([T - 2, 3]),
+                      key_value_seq_lengths=np.array([S - 1, 4])),
       "segments": dict(q_segment_ids=ids(T, [2, 7]), kv_segment_ids=ids(S, [5, 6])),
       "mask": dict(mask=rng.random((B, 1, T, S)) < 0.6),
   }[name]
@@ -55,8 +55,18 @@ def _to_jax(kwargs):
   return {n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in kwargs.items()}
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["T11S14", "T14S9"])
-@pytest.mark.parametrize("name", MASKS)
+# Blocks of one query (every query is a block's first and last) and of two keys.
+SINGLE_ROWS = [(name, (7, 5, 1, 2)) for name in ("lengths", "mask")]
+
+
+def _case(name, shape, thorough=False):
+  return pytest.param(name, shape, id="{}-T{}S{}bq{}bk{}".format(name, *shape),
+                      marks=[pytest.mark.thorough] if thorough else [])
+
+
+@pytest.mark.parametrize("name,shape", [_case(n, SHAPES[0]) for n in MASKS]
+                         + [_case(n, SHAPES[1], thorough=True) for n in MASKS]
+                         + [_case(n, shape) for n, shape in SINGLE_ROWS])
 def test_blockwise_matches_float64_reference_at_block_edges(name, shape):
   T, S, bq, bk = shape
   q, k, v, d_out = _inputs(T, S)
@@ -108,7 +118,7 @@ def test_ranges_at_global_offsets_match_float64_reference(name):
   T, S, bq, bk, q_cut, kv_cut = 13, 12, 3, 4, 5, 7
   q, k, v, d_out = _inputs(T, S, seed=3)
   masks = dict(_masks(name, T, S))
-  if name == "lengths":  # lengths in [T-2, 5] / [S-4, 7] plus causal, to cross offsets
+  if name == "lengths":  # plus causal, so lengths and offsets cross
     masks["is_causal"] = True
 
   def spec_of(t0, t1, s0, s1):
