@@ -17,3 +17,14 @@ if str(ROOT) not in sys.path:
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
 
+
+# Property tests (tests/test_properties.py) run under two hypothesis profiles:
+# "ci", a few derandomized examples in the default tier, and "thorough",
+# hundreds of random ones in the slow tier (`pytest -m thorough`).
+import hypothesis  # noqa: E402
+
+hypothesis.settings.register_profile(
+    "ci", max_examples=5, derandomize=True, deadline=None, print_blob=True)
+hypothesis.settings.register_profile(
+    "thorough", max_examples=300, deadline=None, print_blob=True,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow])
