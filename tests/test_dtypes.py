@@ -19,8 +19,8 @@ B, T, S, N, K, H = 2, 12, 10, 4, 2, 16
 BS = jattn.BlockSizes(q=5, kv=3)  # divides neither T nor S
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 IMPLS = ["xla", "vmap", "blockwise"]
-# float32: both errors are rounding noise (~1e-7 of values ~1); allow a few ulps more.
-SLACK = {"f32": 2e-6, "bf16": 0.0, "f16": 0.0}
+# float32: both errors are rounding noise; the suite's float32 tolerance on top.
+SLACK = {"f32": 1e-5, "bf16": 0.0, "f16": 0.0}
 
 
 def _inputs(dtype, logit_scale=3.0, seed=0):

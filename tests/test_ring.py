@@ -51,3 +51,14 @@ def test_ring_attention_names_a_missing_mesh_axis():
   q = np.zeros((1, 4, 2, 8), np.float32)
   with pytest.raises(ValueError, match=r"axis_name 'sequence' is not an axis of the mesh"):
     jattn.ring_attention(q, q, q, mesh=mesh, axis_name="sequence")
+
+
+@pytest.mark.thorough
+def test_ring_in_every_dtype_and_under_vmap_and_jit():
+  """float32/bfloat16/float16 against float64 (the twice-naive rule), and
+  jax.jit(jax.vmap(ring)): tests/multidevice/ring_dtypes.py (~40 s here)."""
+  result = run_on_8_devices(HERE / "multidevice" / "ring_dtypes.py")
+  print(result.stdout)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "FAIL" not in result.stdout
+  assert result.stdout.count("ok  ") == 5
