@@ -27,8 +27,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 B, T, N, K, H = 2, 80, 4, 2, 8  # 10 tokens per device: zig-zag chunks of 5
 SIZES = jattn.BlockSizes(q=2, kv=3)  # neither divides a chunk; key blocks start mid query block
 LENGTHS = np.array([71, 7], np.int32)
-# float32: both errors are rounding noise; the suite's float32 tolerance on top
-SLACK = {jnp.float32: 1e-5, jnp.bfloat16: 0.0, jnp.float16: 0.0}
+# float32: both errors are rounding noise; on top, the suite's float32 tolerance
+# relative to the largest value (the ring adds an lse combination per step, whose
+# rounding grows with the logits, here up to ~20).
+RTOL = {jnp.float32: 1e-5, jnp.bfloat16: 0.0, jnp.float16: 0.0}
 
 
 def f64(x):
@@ -75,7 +77,8 @@ def main():
     plain = values_and_grads(jax.jit(naive), q, k, v, d_out)
     ok &= all(g.dtype == dtype for g in got)
     errors = [np.max(np.abs(f64(g) - w)) for g, w in zip(got, want)]
-    bounds = [2 * np.max(np.abs(f64(p) - w)) + SLACK[dtype] for p, w in zip(plain, want)]
+    bounds = [2 * np.max(np.abs(f64(p) - w)) + RTOL[dtype] * np.max(np.abs(w))
+              for p, w in zip(plain, want)]
     ok &= report(f"ring {jnp.dtype(dtype).name}, causal + lengths, GQA", errors, bounds)
 
   # jax.vmap over an extra leading axis, under jit (float32)
@@ -87,7 +90,8 @@ def main():
     want = reference_vjp(q[e], k[e], v[e], d_out[e], is_causal=True,
                          key_value_seq_lengths=LENGTHS)
     errors = [np.max(np.abs(g[e] - w)) for g, w in zip(got, want)]
-    ok &= report(f"ring under jax.vmap + jax.jit, example {e}", errors, [2e-5] * 4)
+    bounds = [1e-5 * (1 + np.max(np.abs(w))) for w in want]
+    ok &= report(f"ring under jax.vmap + jax.jit, example {e}", errors, bounds)
   sys.exit(0 if ok else 1)
 
 
