@@ -1,0 +1,81 @@
+"""Refusals that need hardware this machine lacks, tested with the hardware faked:
+cuDNN's reasons (a GPU platform passed in) and the training example's mesh checks
+(jax.device_count patched to 8). Each message names the argument and the value."""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jattn._cudnn import cudnn_unsupported
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import training  # noqa: E402
+from configs import tiny  # noqa: E402
+
+GOOD = dict(platform="gpu", dtype=jnp.bfloat16, H=64, D=64, dropout_rate=0.0,
+            has_segments=False, return_weights=False)
+
+
+def test_cudnn_accepts_what_it_can_run():
+  assert cudnn_unsupported(**GOOD) is None
+  assert cudnn_unsupported(**dict(GOOD, dtype=jnp.float16, H=128, D=128)) is None
+  assert cudnn_unsupported(**dict(GOOD, H=8, D=8)) is None
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(platform="cpu"), "it needs an NVIDIA GPU, the platform is 'cpu'"),
+    (dict(platform="tpu"), "the platform is 'tpu'"),
+    (dict(dtype=jnp.float32), "it takes float16 or bfloat16, got query dtype"),
+    (dict(D=32), "H == D, a multiple of 8 and <= 128, got H=64, D=32"),
+    (dict(H=136, D=136), "got H=136, D=136"),
+    (dict(H=12, D=12), "got H=12, D=12"),
+    (dict(dropout_rate=0.1), "no dropout, got dropout_rate=0.1"),
+    (dict(has_segments=True), "no q_segment_ids / kv_segment_ids"),
+    (dict(return_weights=True), "return_weights=True"),
+])
+def test_cudnn_refusal_reasons(change, reason):
+  got = cudnn_unsupported(**dict(GOOD, **change))
+  assert got is not None and reason in got, got
+
+
+@pytest.fixture
+def eight_devices(monkeypatch):
+  """The mesh checks count devices; these cases need 8 (none is created)."""
+  monkeypatch.setattr(jax, "device_count", lambda *a: 8)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(data=0), "config.mesh.data must be -1 or a positive int, got 0"),
+    (dict(seq=True), "config.mesh.seq must be a positive int, got True"),
+    (dict(data=2, model=2), "config.mesh data x model x seq = 2 x 2 x 1 must use all 8 devices"),
+    (dict(batch_size=4), r"config.batch_size \(4\) must be divisible by the 8 devices"),
+    (dict(data=2, model=4), r"config.num_heads \(2\) must be divisible by the 4 devices"),
+    (dict(data=2, model=4, num_heads=4, mlp_features=30),
+     r"config.mlp_features \(30\) must be divisible by the 4 devices"),
+    (dict(data=4, model=2, num_heads=4, num_kv_heads=1),
+     r"config.num_kv_heads \(1\) must be divisible by the 2 devices"),
+    (dict(data=1, seq=8, seq_len=24),
+     r"config.seq_len \(24\) must be divisible by 2 x config.mesh.seq = 16"),
+    (dict(data=4, seq=2, implementation="xla"),
+     "config.mesh.seq = 2 runs attention as a ring: config.implementation must be None or 'ring'"),
+])
+def test_training_mesh_errors(eight_devices, fields, message):
+  config = tiny.get_config()
+  for name, value in fields.items():
+    if name in ("data", "model", "seq"):
+      config.mesh[name] = value
+    else:
+      config[name] = value
+  with pytest.raises(ValueError, match=message):
+    training.check_config(config)
+
+
+def test_training_mesh_accepts_a_full_mesh(eight_devices):
+  config = tiny.get_config()
+  config.mesh.data, config.mesh.model, config.mesh.seq = 2, 2, 2
+  training.check_config(config)
