@@ -72,3 +72,25 @@ def test_bad_arguments_name_themselves():
     jattn.linen.MultiHeadAttention(4, num_kv_heads=3).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="layout must be one of"):
     jattn.linen.MultiHeadAttention(4, layout="BTNH").init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("layout,num_kv_heads", [("rows", 2), ("columns", 2), ("rows", 1)])
+def test_causal_grouped_heads_match_flax_with_repeated_kv_heads(layout, num_kv_heads):
+  """flax.linen has no grouped heads; K/V heads repeated G times in its kernels are
+  the same model. Causal self-attention, with flax's own causal mask."""
+  N, H = 4, 4
+  x = _x((B, T, F), 0)
+  ours = jattn.linen.MultiHeadAttention(N, qkv_features=N * H, num_kv_heads=num_kv_heads,
+                                        layout=layout)
+  params = ours.init(jax.random.key(3), _columns(layout, x))
+  params = jax.tree.map(  # non-zero biases, so the repeated ones are checked too
+      lambda p: p + 0.1 * _x(p.shape, 4) if p.ndim == 2 and p.shape[-1] == H else p, params)
+  G = N // num_kv_heads
+  repeat = lambda p: jnp.repeat(p, G, axis=-2)  # [F, K, H] / [K, H]: kv head n // G
+  theirs_params = {"params": dict(params["params"], **{
+      name: {leaf: repeat(w) for leaf, w in params["params"][name].items()}
+      for name in ("key", "value")})}
+  expected = nn.MultiHeadDotProductAttention(N, qkv_features=N * H).apply(
+      theirs_params, x, mask=nn.make_causal_mask(jnp.ones((B, T))))
+  got = ours.apply(params, _columns(layout, x), is_causal=True)
+  np.testing.assert_allclose(_columns(layout, got), expected, rtol=1e-5, atol=1e-5)
