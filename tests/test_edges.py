@@ -41,8 +41,8 @@ def _masks(name, T, S, seed=1):
       "causal": dict(is_causal=True),
       "window": dict(local_window_size=(3, 2)),
       "causal_window": dict(is_causal=True, local_window_size=4),
-      "lengths": dict(query_seq_lengths=np.array([T - 2, 3]),
-                      key_value_seq_lengths=np.array([S - 1, 4])),
+      "lengths": dict(query_seq_lengths=np.array([T - 2, 7]),
+                      key_value_seq_lengths=np.array([S - 1, 5])),
       "segments": dict(q_segment_ids=ids(T, [2, 7]), kv_segment_ids=ids(S, [5, 6])),
       "mask": dict(mask=rng.random((B, 1, T, S)) < 0.6),
   }[name]

@@ -1,0 +1,166 @@
+"""Mutation testing of jattn's numerical core with cosmic-ray, one file at a time.
+
+    python tools/mutation/run.py [FILE ...]     # default: every file in TARGETS
+    python tools/mutation/run.py --retest FILE  # survivors again, against today's tests
+    python tools/mutation/run.py --report       # the summary only
+
+For each file: a cosmic-ray session (tools/mutation/sessions/<file>.sqlite) with
+the operators a reviewer plants by hand (off-by-one numbers, + <-> -, * <-> /,
+< <-> <=, == <-> !=, & <-> |, is <-> is not, True <-> False, and <-> or, a
+dropped minus or `not`), each mutant tested by the targeted test selection of
+TARGETS (stopping at the first failure), one mutant at a time. Then a summary
+per file and every surviving mutant, with the equivalent ones' reasons from
+tests/mutation_survivors.md. Re-running continues an interrupted session.
+
+Slow (minutes per file, hours for all): the slow tier, not CI; docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sqlite3
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HERE = ROOT / "tools" / "mutation"
+SESSIONS = HERE / "sessions"
+SURVIVORS = ROOT / "tests" / "mutation_survivors.md"
+WORK = pathlib.Path(os.environ.get("JATTN_MUTATION_DIR",
+                                   pathlib.Path(tempfile.gettempdir()) / "jattn-mutation"))
+COPIED = ("jattn", "tests", "examples", "configs", "pyproject.toml")
+PY = sys.executable
+# A mutant that leaves a function's HLO unchanged reuses its compilation.
+CACHE = dict(JAX_COMPILATION_CACHE_DIR=str(WORK.parent / "jattn-mutation-jax-cache"),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+PYTEST = f"{PY} -m pytest -x -q -p no:cacheprovider"
+
+# file -> the tests that exercise it (fast, default tier, deterministic)
+TARGETS = {
+    "jattn/_block_plan.py": "tests/test_edges.py tests/test_blockwise.py -k 'edges or offsets or skipped'",
+    "jattn/_softmax.py": "tests/test_single_head.py tests/test_edges.py -k 'not script'",
+    "jattn/_attend.py": "tests/test_single_head.py -k 'not script'",
+    "jattn/_dense.py": "tests/test_dot_product_attention.py tests/test_dtypes.py -k 'dropout or reference or masked or twice'",
+    "jattn/_kv_cache.py": "tests/test_decode.py",
+    "jattn/rope.py": "tests/test_rope.py tests/test_transformer_reference.py -k 'rope or Rope'",
+    "jattn/_masks.py": "tests/test_masks.py tests/test_edges.py",
+    "jattn/_xla.py": "tests/test_dtypes.py tests/test_dot_product_attention.py -k 'xla or reference'",
+    "jattn/_attention.py": "tests/test_single_head.py -k 'not script'",
+    "jattn/transformer.py": "tests/test_transformer_reference.py",
+    "jattn/_blockwise.py": "tests/test_edges.py tests/test_dtypes.py tests/test_blockwise.py",
+    "jattn/_ring.py": "tests/test_ring.py",
+}
+
+# Everything but the hand-planted kinds of bug (cosmic-ray also swaps + for **, <<,
+# %, ... : thousands of mutants that any test kills, at ~20 s each here).
+KEEP = ("NumberReplacer", "AddNot", "ReplaceTrueWithFalse", "ReplaceFalseWithTrue",
+        "ReplaceAndWithOr", "ReplaceOrWithAnd", "ReplaceUnaryOperator_Delete_USub",
+        "ReplaceUnaryOperator_Delete_Not", "ZeroIterationForLoop",
+        *(f"ReplaceBinaryOperator_{a}_{b}" for a, b in (
+            ("Add", "Sub"), ("Sub", "Add"), ("Mul", "Div"), ("Div", "Mul"),
+            ("FloorDiv", "Div"), ("BitAnd", "BitOr"), ("BitOr", "BitAnd"))),
+        *(f"ReplaceComparisonOperator_{a}_{b}" for a, b in (
+            ("Lt", "LtE"), ("LtE", "Lt"), ("Gt", "GtE"), ("GtE", "Gt"), ("Eq", "NotEq"),
+            ("NotEq", "Eq"), ("Is", "IsNot"), ("IsNot", "Is"), ("Lt", "Gt"), ("Gt", "Lt"))))
+EXCLUDE = "core/(?!(" + "|".join(KEEP) + ")$)"
+
+
+def copy_tree(work: pathlib.Path) -> None:
+  """The checkout's code and tests in `work`: cosmic-ray mutates files in place, so
+  it runs there and the checkout stays clean (tests run in it meanwhile see no mutant)."""
+  shutil.rmtree(work, ignore_errors=True)
+  for part in COPIED:
+    if (ROOT / part).is_dir():
+      shutil.copytree(ROOT / part, work / part, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+      shutil.copy(ROOT / part, work / part)
+
+
+def config(path: str) -> pathlib.Path:
+  name = pathlib.Path(path).stem
+  toml = SESSIONS / f"{name}.toml"
+  toml.write_text(f"""[cosmic-ray]
+module-path = "{path}"
+timeout = 300.0
+excluded-modules = []
+test-command = "{PYTEST} {TARGETS[path]}"
+
+[cosmic-ray.distributor]
+name = "local"
+
+[cosmic-ray.filters.operators-filter]
+exclude-operators = [{json.dumps(EXCLUDE)}]
+""")
+  return toml
+
+
+def run(path: str) -> None:
+  toml, db = config(path), SESSIONS / f"{pathlib.Path(path).stem}.sqlite"
+  bin_ = pathlib.Path(PY).parent
+  if not db.exists():
+    subprocess.run([bin_ / "cosmic-ray", "init", toml, db], check=True, cwd=WORK)
+    subprocess.run([bin_ / "cr-filter-operators", db, toml], check=True, cwd=WORK)
+  subprocess.run([bin_ / "cosmic-ray", "exec", toml, db], check=True, cwd=WORK,
+                 env=dict(os.environ, PYTHONPATH=str(WORK), **CACHE))
+
+
+def summary(paths) -> str:
+  lines = ["| file | mutants | killed | survived | timeouts | score |",
+           "|---|---|---|---|---|---|"]
+  survivors = []
+  for path in paths:
+    db = SESSIONS / f"{pathlib.Path(path).stem}.sqlite"
+    if not db.exists():
+      lines.append(f"| {path} | not run | | | | |")
+      continue
+    c = sqlite3.connect(db)
+    rows = c.execute(
+        "select s.job_id, s.module_path, s.operator_name, s.occurrence, s.start_pos_row, "
+        "r.test_outcome, r.diff from mutation_specs s left join work_results r "
+        "on s.job_id = r.job_id where r.worker_outcome is null or r.worker_outcome != 'SKIPPED'"
+    ).fetchall()
+    done = [r for r in rows if r[5] is not None]
+    killed = sum(r[5] == "KILLED" for r in done)
+    timeouts = sum(r[5] == "INCOMPETENT" for r in done)
+    alive = [r for r in done if r[5] == "SURVIVED"]
+    survivors += alive
+    score = f"{100 * (len(done) - len(alive)) / len(done):.0f}%" if done else "-"
+    pending = f" ({len(rows) - len(done)} pending)" if len(done) < len(rows) else ""
+    lines.append(f"| {path} | {len(rows)}{pending} | {killed} | {len(alive)} | {timeouts} "
+                 f"| {score} |")
+  lines.append("")
+  for job, module, op, occ, row, _, diff in survivors:
+    lines.append(f"SURVIVED {module}:{row} {op} #{occ} ({job})")
+    lines.extend("    " + d for d in (diff or "").splitlines()
+                 if d.startswith(("+", "-")) and not d.startswith(("+++", "---")))
+  return "\n".join(lines)
+
+
+def forget_survivors(path: str) -> None:
+  """Marks a session's survivors as not yet run, so `exec` tests them again."""
+  db = SESSIONS / f"{pathlib.Path(path).stem}.sqlite"
+  c = sqlite3.connect(db)
+  c.execute("delete from work_results where test_outcome = 'SURVIVED'")
+  c.commit()
+
+
+def main(argv):
+  SESSIONS.mkdir(exist_ok=True)
+  flags = {a for a in argv if a.startswith("--")}
+  paths = [a for a in argv if not a.startswith("--")] or list(TARGETS)
+  if "--report" not in flags:
+    copy_tree(WORK)
+    for path in paths:
+      if "--retest" in flags:
+        forget_survivors(path)
+      run(path)
+  print(summary(paths))
+  print(f"\nEquivalent mutants and why: {SURVIVORS}")
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
