@@ -132,7 +132,8 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
     return count, (o.astype(g.dtype), lse)
 
-  count, (o, lse) = lax.scan(q_block, jnp.int32(0), jnp.arange(g.nq))
+  # int32 block indices, as the plan's bounds, also under jax_enable_x64
+  count, (o, lse) = lax.scan(q_block, jnp.int32(0), jnp.arange(g.nq, dtype=jnp.int32))
   # o [I, B, K, R, D] -> out in the layout; lse [I, B, K, R] -> [B, N, T]
   out = g.ungroup(g.from_row_blocks(o, "BKRD", g.out_sub), g.out_sub)
   lse = g.from_row_blocks(lse, _ROWS, "BKGT").reshape(g.B, g.N, g.T)
@@ -215,7 +216,8 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
 
   d_bias0 = None if g.bias is None else jnp.zeros(g.bias.shape, g.acc)
   dq_t0 = jnp.zeros((g.nq, g.B, g.K, H, g.R), g.acc)
-  (dq_t, d_bias), (dk, dv) = lax.scan(kv_block, (dq_t0, d_bias0), jnp.arange(g.nk))
+  (dq_t, d_bias), (dk, dv) = lax.scan(kv_block, (dq_t0, d_bias0),
+                                      jnp.arange(g.nk, dtype=jnp.int32))
   d_query = g.ungroup(g.from_row_blocks(dq_t, "BKHR", g.q_sub), g.q_sub)
   d_key, d_value = (_unblock(x, f"JBKS{c}", sub, g.S) for x, sub, c in (
       (dk, g.k_sub, "H"), (dv, g.v_sub, "D")))
@@ -372,8 +374,8 @@ class _Grid:
 
   def mask(self, i, j):
     """bool [B|1, K|1, G|1, bq, bk] of block (i, j): user mask, structure, padding."""
-    q_pos = self.q_offset + i * self.bq + jnp.arange(self.bq)
-    kv_local = j * self.bk + jnp.arange(self.bk)
+    q_pos = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
+    kv_local = j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)
     ids = (None, None)
     if self.q_ids is not None:
       ids = (lax.dynamic_slice_in_dim(self.q_ids, i * self.bq, self.bq, axis=1),
