@@ -134,3 +134,23 @@ def test_grouped_heads_do_not_copy_key_and_value(impl):
   for f in (fn, jax.grad(fn, argnums=(0, 1, 2))):
     biggest = max(int(np.prod(s)) for s in _shapes_in(jax.make_jaxpr(f)(q, k, v).jaxpr))
     assert biggest < copy, (impl, biggest, copy)
+
+
+# ----------------------------------------------------------------- float64
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float64_stays_float64(impl):
+  """With x64 enabled, float64 inputs are computed in float64 throughout (logits too):
+  values and gradients agree with the float64 reference to ~1e-12."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(7)
+    q, k, v, d_out = (jnp.asarray(rng.standard_normal(s), jnp.float64) for s in (
+        (B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H)))
+    fn = lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, is_causal=True, implementation=impl,
+        block_sizes=BS if impl == "blockwise" else None)
+    got = _values_and_grads(fn, q, k, v, d_out)
+    want = reference_vjp(q, k, v, d_out, is_causal=True)
+    for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
+      assert g.dtype == jnp.float64, label
+      np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-10, err_msg=label)
