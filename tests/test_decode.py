@@ -111,3 +111,23 @@ def test_transformer_decoding_equals_full_pass_and_layouts_agree(position_encodi
       if PROMPTS[b] + j < L:
         got[b, PROMPTS[b] + j] = step[b]
   np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_padding_tokens_are_not_written_to_the_cache(layout):
+  """API: tokens past lengths[b] are not written; the cache holds exactly the keys
+  and values of the valid tokens, at positions [0, lengths[b]), zeros after."""
+  m = jattn.nnx.MultiHeadAttention(2, F, layout=layout, rngs=nnx.Rngs(0))
+  m.init_cache(B, MAX)
+  x = jax.random.normal(jax.random.key(5), (B, 4, F))
+  m(_columns(layout, x), is_causal=True, decode=True, lengths=jnp.array([2, 4, 0]))
+  # the key projection of x, [B, T, K, H], written out independently of the cache code
+  kernel, bias = m.key.kernel[...], m.key.bias[...]
+  keys = np.einsum("btf,fkh->btkh", np.asarray(x), np.asarray(kernel)) + np.asarray(bias)
+  cached = np.asarray(m.cached_key[...])
+  if layout == "columns":  # [B, K, H, S] -> [B, S, K, H]
+    cached = np.transpose(cached, (0, 3, 1, 2))
+  for b, n in enumerate([2, 4, 0]):
+    np.testing.assert_allclose(cached[b, :n], keys[b, :n], rtol=1e-5, atol=1e-5)
+    assert not np.any(cached[b, n:]), (b, n)
+  np.testing.assert_array_equal(m.cache_index[...], [2, 4, 0])
