@@ -167,6 +167,15 @@ def test_attention_half_precision_keeps_dtype_and_float32_logits(dtype):
   np.testing.assert_allclose(f64(single), want[0], atol=tol, rtol=0)
 
 
+def test_options_are_keyword_only():
+  """API.md: arrays positional, options keyword-only (mask, bias, scale, layout)."""
+  q, k, v, mask, _ = _single_inputs(14, with_mask=True)
+  with pytest.raises(TypeError):
+    jattn.attend(q[0], k, v, mask[0])
+  with pytest.raises(TypeError):
+    jattn.attention(q, k, v, mask)
+
+
 # ---------------------------------------------------------------- gradients
 
 def _check_grads_against_float64_differences(f, reference, args, cotangent):

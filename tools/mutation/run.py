@@ -42,8 +42,11 @@ PYTEST = f"{PY} -m pytest -x -q -p no:cacheprovider"
 # file -> the tests that exercise it (fast, default tier, deterministic)
 TARGETS = {
     "jattn/_block_plan.py": "tests/test_edges.py tests/test_blockwise.py -k 'edges or offsets or skipped'",
-    "jattn/_softmax.py": "tests/test_single_head.py tests/test_edges.py -k 'not script'",
-    "jattn/_attend.py": "tests/test_single_head.py -k 'not script'",
+    "jattn/_softmax.py": "tests/test_single_head.py tests/test_edges.py "
+                         "tests/test_dtypes.py::test_float64_stays_float64 -k 'not script'",
+    "jattn/_attend.py": "tests/test_single_head.py tests/test_dtypes.py::test_float64_stays_float64 "
+                        "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
+                        "-k 'not script'",
     "jattn/_dense.py": "tests/test_dot_product_attention.py tests/test_dtypes.py -k 'dropout or reference or masked or twice'",
     "jattn/_kv_cache.py": "tests/test_decode.py",
     "jattn/rope.py": "tests/test_rope.py tests/test_transformer_reference.py -k 'rope or Rope'",
