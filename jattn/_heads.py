@@ -62,22 +62,24 @@ def compute_dtype(dtype, *arrays):
   return dtype if dtype is not None else jnp.result_type(*arrays)
 
 
-def project_in(x, kernel, bias, *, layout: str, dtype=None) -> jax.Array:
+def project_in(x, kernel, bias, *, layout: str, dtype=None, out_sharding=None) -> jax.Array:
   """x [B, T, F] or [B, F, T], kernel [F, N, H], bias [N, H] | None
-  -> [B, T, N, H] (rows) or [B, N, H, T] (columns)."""
+  -> [B, T, N, H] (rows) or [B, N, H, T] (columns), sharded as out_sharding."""
   dtype = compute_dtype(dtype, x, kernel, *(() if bias is None else (bias,)))
-  y = jnp.einsum(_IN[layout], x.astype(dtype), kernel.astype(dtype))
+  y = jnp.einsum(_IN[layout], x.astype(dtype), kernel.astype(dtype),
+                 out_sharding=out_sharding)
   if bias is not None:
     bias = bias.astype(dtype)
     y = y + (bias if layout == "rows" else bias[:, :, None])  # [N, H] or [N, H, 1]
   return y
 
 
-def project_out(y, kernel, bias, *, layout: str, dtype=None) -> jax.Array:
+def project_out(y, kernel, bias, *, layout: str, dtype=None, out_sharding=None) -> jax.Array:
   """y [B, T, N, H] or [B, N, H, T], kernel [N, H, F], bias [F] | None
-  -> [B, T, F] (rows) or [B, F, T] (columns)."""
+  -> [B, T, F] (rows) or [B, F, T] (columns), sharded as out_sharding."""
   dtype = compute_dtype(dtype, y, kernel, *(() if bias is None else (bias,)))
-  out = jnp.einsum(_OUT[layout], y.astype(dtype), kernel.astype(dtype))
+  out = jnp.einsum(_OUT[layout], y.astype(dtype), kernel.astype(dtype),
+                   out_sharding=out_sharding)
   if bias is not None:
     bias = bias.astype(dtype)
     out = out + (bias if layout == "rows" else bias[:, None])  # [F] or [F, 1]
@@ -97,3 +99,36 @@ def check_heads(num_heads: int, qkv_features: int, num_kv_heads: int) -> int:
     raise ValueError(f"num_heads ({num_heads}) must be divisible by "
                      f"num_kv_heads ({num_kv_heads})")
   return qkv_features // num_heads
+
+
+def float_mask(mask):
+  """flax's masks: bool, or numeric with nonzero = may attend (flax's helpers
+  make float32 ones) -> bool, or None."""
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def check_deprecated(**given) -> None:
+  """flax's deprecated dot_general hooks: jattn's projections are einsums."""
+  for name, value in given.items():
+    if value is not None:
+      raise ValueError(f"{name}: jattn projects with its own einsums and cannot use a "
+                       f"replacement dot_general (deprecated in flax too), got {value!r}")
+
+
+def key_value_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
+  """flax's rules: inputs_k defaults to inputs_q, inputs_v to inputs_k;
+  inputs_kv (older flax) sets both. Returns (inputs_k, inputs_v, self_attention)."""
+  if inputs_kv is not None:
+    if inputs_k is not None or inputs_v is not None:
+      raise ValueError("inputs_kv sets both keys and values: pass either inputs_kv or "
+                       "inputs_k/inputs_v, not both")
+    inputs_k = inputs_v = inputs_kv
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError("inputs_v needs inputs_k: pass the same array as inputs_k and "
+                       "leave inputs_v None for keys and values from one input")
+    return inputs_q, inputs_q, True
+  return inputs_k, (inputs_k if inputs_v is None else inputs_v), False
