@@ -234,3 +234,17 @@ def test_linen_flax_decoding_protocol_matches_flax_and_the_full_pass(layout):
   full = jattn.linen.MultiHeadAttention(4, layout=layout).apply(
       {"params": params}, cols(x), is_causal=True)
   np.testing.assert_allclose(got, cols(full), **TOL)
+
+
+def test_bad_new_arguments_name_themselves():
+  with raises(ValueError, "attention_fn must be callable"):
+    jattn.nnx.MultiHeadAttention(4, F, attention_fn="flash", rngs=nnx.Rngs(0))
+  m = jattn.nnx.MultiHeadAttention(4, F, in_kv_features=F_KV, rngs=nnx.Rngs(0))
+  with raises(ValueError, "inputs_k: expected features F = in_features = 12", "(2, 4, 16)"):
+    m(_x((B, T, F), 1), _x((B, S, F), 2))
+  with raises(ValueError, "init_cache: flax's form takes the inputs' shape"):
+    m.init_cache((B, T), jnp.float32)
+  with raises(ValueError, "init_cache\\(batch_size, max_length\\) needs max_length"):
+    m.init_cache(B)
+  with raises(ValueError, "inputs_kv sets both"):
+    m(_x((B, T, F), 1), _x((B, S, F_KV), 2), inputs_kv=_x((B, S, F_KV), 2))

@@ -114,3 +114,9 @@ def test_broadcast_dropout_shares_one_draw_across_batch_and_heads(impl):
     keep = jax.random.bernoulli(key, 0.5, (1, 1, 4, 6)).astype(jnp.float32) / 0.5
     want = jnp.einsum("BNTS,BSND->BTND", weights * keep, v)
     np.testing.assert_allclose(shared, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_broadcast_dropout_is_named():
+  q, k, v = make_qkv(np.random.default_rng(6), B=1, T=3, S=3, N=2, H=8)
+  with raises(TypeError, "broadcast_dropout must be a bool", "1"):
+    jattn.dot_product_attention(q, k, v, broadcast_dropout=1)
