@@ -26,8 +26,8 @@ def _float_mask():
   return nnx.make_attention_mask(jnp.ones((B, T)), jnp.array([[1, 1, 0, 0], [1, 1, 1, 0.]]))
 
 
+# (flax's defaults are compared in test_nnx.py)
 FLAX_NNX_ARGS = [
-    dict(),
     dict(in_kv_features=F_KV, normalize_qk=True, precision="highest", keep_rngs=False,
          out_kernel_init=nnx.initializers.normal(0.5), out_bias_init=nnx.initializers.ones_init(),
          bias_init=nnx.initializers.normal(0.1), kernel_init=nnx.initializers.xavier_uniform()),
