@@ -9,6 +9,8 @@ flax.nnx.MultiHeadAttention, so weights move between the modules unchanged.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -45,8 +47,8 @@ def check_inputs(name: str, x, in_features: int, layout: str) -> jax.Array:
   x = jnp.asarray(x)
   legend = "[B, T, F]" if layout == "rows" else "[B, F, T]"
   if x.ndim != 3:
-    raise ValueError(f"{name}: expected rank 3 {legend} for layout {layout!r}, "
-                     f"got shape {x.shape}")
+    raise ValueError(f"{name}: expected rank 3 {legend} for layout {layout!r} (or any "
+                     f"number of batch axes before the last two), got shape {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype} "
                     f"with shape {x.shape}")
@@ -132,3 +134,25 @@ def key_value_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
                        "leave inputs_v None for keys and values from one input")
     return inputs_q, inputs_q, True
   return inputs_k, (inputs_k if inputs_v is None else inputs_v), False
+
+
+def merge_batch(x, batch: tuple[int, ...]):
+  """[batch..., a, b] -> [prod(batch), a, b] (flax takes any number of batch axes)."""
+  if x is None or len(batch) == 1 or jnp.ndim(x) < 2:
+    return x  # (check_inputs names a rank below 2)
+  x = jnp.asarray(x)
+  return x.reshape((math.prod(batch),) + x.shape[-2:])
+
+
+def merge_mask_batch(mask, batch: tuple[int, ...]):
+  """A mask broadcastable to [batch..., N, T, S] -> one batch axis."""
+  if mask is None or len(batch) == 1 or jnp.ndim(mask) <= 3:
+    return mask  # with no batch axes of its own it broadcasts as it is
+  mask = jnp.asarray(mask)
+  full = jnp.broadcast_to(mask, batch + mask.shape[-3:])
+  return full.reshape((math.prod(batch),) + mask.shape[-3:])
+
+
+def split_batch(y, batch: tuple[int, ...]):
+  """The inverse of merge_batch on the output."""
+  return y if len(batch) == 1 else y.reshape(batch + y.shape[1:])

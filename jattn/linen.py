@@ -106,6 +106,13 @@ class MultiHeadAttention(nn.Module):
     past lengths[b] are padding."""
     self._check_attributes()
     layout = _heads.check_layout(self.layout)
+    # any number of batch axes, as flax: merged into one here, split on the way out
+    batch = jnp.shape(inputs_q)[:-2]
+    inputs_q, inputs_k, inputs_v, inputs_kv = (
+        _heads.merge_batch(x, batch) for x in (inputs_q, inputs_k, inputs_v, inputs_kv))
+    mask = _heads.merge_mask_batch(mask, batch)
+    if lengths is not None and len(batch) != 1:
+      lengths = jnp.reshape(lengths, (-1,))
     if inputs_kv is not None:
       warnings.warn("inputs_kv is deprecated in flax; use inputs_k and inputs_v",
                     DeprecationWarning, stacklevel=2)
@@ -173,7 +180,8 @@ class MultiHeadAttention(nn.Module):
         if sow_weights:
           out, weights = out
           self.sow("intermediates", "attention_weights", weights)
-      return _heads.project_out(out, *out_proj(), **heads)
+      out = _heads.project_out(out, *out_proj(), **heads)
+    return _heads.split_batch(out, batch)
 
   def _check_attributes(self):
     _heads.check_deprecated(

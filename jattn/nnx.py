@@ -170,11 +170,12 @@ class MultiHeadAttention(nnx.Module):
     if isinstance(batch_size, (tuple, list)):  # flax's init_cache(input_shape, dtype)
       if max_length is not None and dtype is None:
         dtype, max_length = max_length, None
-      if max_length is not None or len(batch_size) != 3:
-        raise ValueError(f"init_cache: flax's form takes the inputs' shape [B, T, F] "
-                         f"(or [B, F, T] for columns) and a dtype, got "
+      if max_length is not None or len(batch_size) < 2:
+        raise ValueError(f"init_cache: flax's form takes the inputs' shape [batch..., T, F] "
+                         f"(or [batch..., F, T] for columns) and a dtype, got "
                          f"input_shape={batch_size!r}, then {max_length!r}")
-      B, S = batch_size[0], batch_size[_heads.token_axis(self.layout)]
+      # the batch axes merged into one, as the call merges them
+      B, S = math.prod(batch_size[:-2]), batch_size[_heads.token_axis(self.layout)]
       index = jnp.array(0, jnp.int32)
       dtype = dtype or jnp.float32
     else:
@@ -230,6 +231,13 @@ class MultiHeadAttention(nnx.Module):
     batch, as flax. lengths (without decode): keys past lengths[b] are padding.
     """
     layout = self.layout
+    # any number of batch axes, as flax: merged into one here, split on the way out
+    batch = jnp.shape(inputs_q)[:-2]
+    inputs_q, inputs_k, inputs_v, inputs_kv = (
+        _heads.merge_batch(x, batch) for x in (inputs_q, inputs_k, inputs_v, inputs_kv))
+    mask = _heads.merge_mask_batch(mask, batch)
+    if lengths is not None and len(batch) != 1:
+      lengths = jnp.reshape(lengths, (-1,))
     inputs_k, inputs_v, self_attention = _heads.key_value_inputs(
         inputs_q, inputs_k, inputs_v, inputs_kv)
     inputs_q = _heads.check_inputs("inputs_q", inputs_q, self.in_features, layout)
@@ -273,8 +281,9 @@ class MultiHeadAttention(nnx.Module):
         if sow_weights:
           out, weights = out
           self.sow(nnx.Intermediate, "attention_weights", weights)
-      return _heads.project_out(*self.out.arrays(out, self.dtype), layout=layout,
-                                out_sharding=out_sharding)
+      out = _heads.project_out(*self.out.arrays(out, self.dtype), layout=layout,
+                               out_sharding=out_sharding)
+    return _heads.split_batch(out, batch)
 
   def _flax_attention(self, query, key, value, mask, is_causal, kv_lengths, dropout_rng,
                       sow_weights):

@@ -243,8 +243,29 @@ def test_bad_new_arguments_name_themselves():
   with raises(ValueError, "inputs_k: expected features F = in_features = 12", "(2, 4, 16)"):
     m(_x((B, T, F), 1), _x((B, S, F), 2))
   with raises(ValueError, "init_cache: flax's form takes the inputs' shape"):
-    m.init_cache((B, T), jnp.float32)
+    m.init_cache((B,), jnp.float32)
   with raises(ValueError, "init_cache\\(batch_size, max_length\\) needs max_length"):
     m.init_cache(B)
   with raises(ValueError, "inputs_kv sets both"):
     m(_x((B, T, F), 1), _x((B, S, F_KV), 2), inputs_kv=_x((B, S, F_KV), 2))
+
+
+def test_any_number_of_batch_axes_as_flax():
+  ours, theirs = _nnx_pair(4, F)
+  nnx.update(ours, nnx.state(theirs, nnx.Param))
+  x = _x((3, B, T, F), 1)
+  mask = nnx.make_causal_mask(jnp.ones((3, B, T)))  # [3, B, 1, T, T], float32
+  np.testing.assert_allclose(ours(x, mask=mask), theirs(x, mask=mask), **TOL)
+  np.testing.assert_allclose(ours(x[0, 0]), theirs(x[0, 0]), **TOL)  # no batch axis
+  lin, params = jattn.linen.MultiHeadAttention(4), None
+  theirs_lin = nn.MultiHeadDotProductAttention(4)
+  params = theirs_lin.init(jax.random.key(0), x)
+  np.testing.assert_allclose(lin.apply(params, x, mask=mask),
+                             theirs_lin.apply(params, x, mask=mask), **TOL)
+  # flax's decoding with two batch axes
+  theirs = nnx.MultiHeadAttention(4, F, decode=True, rngs=nnx.Rngs(0))
+  ours = jattn.nnx.MultiHeadAttention(4, F, decode=True, rngs=nnx.Rngs(0))
+  theirs.init_cache(x.shape)
+  ours.init_cache(x.shape)
+  for t in range(2):
+    np.testing.assert_allclose(ours(x[:, :, t:t + 1]), theirs(x[:, :, t:t + 1]), **TOL)
