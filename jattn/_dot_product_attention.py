@@ -209,6 +209,8 @@ def _compute(query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids
   fn = _IMPLEMENTATIONS[impl]
   if impl == "blockwise":
     fn = functools.partial(fn, block_sizes=block_sizes)
+  if impl == "cudnn":
+    fn = functools.partial(fn, return_residual=return_residual)
   if static_scale is not None:  # cuDNN takes the scale as a Python number
     scale = static_scale
   out, weights, lse = fn(query, key, value, bias, mask, spec, dropout, scale, layout)
