@@ -234,3 +234,8 @@ class MultiHeadAttention(nn.Module):
     cached_key.value, cached_value.value, cache_index.value = k, v, index
     mask = decode_mask if mask is None else jnp.logical_and(mask, decode_mask)
     return k, v, mask, False, None
+
+
+class MultiHeadDotProductAttention(MultiHeadAttention):
+  """flax.linen's name for the same module, so that a parent's auto-named
+  submodule ("MultiHeadDotProductAttention_0") keeps flax's parameter path."""

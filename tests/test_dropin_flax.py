@@ -269,3 +269,20 @@ def test_any_number_of_batch_axes_as_flax():
   ours.init_cache(x.shape)
   for t in range(2):
     np.testing.assert_allclose(ours(x[:, :, t:t + 1]), theirs(x[:, :, t:t + 1]), **TOL)
+
+
+def test_linen_flax_class_name_keeps_auto_named_parameter_paths():
+  class Parent(nn.Module):
+    attention: type
+
+    @nn.compact
+    def __call__(self, x):
+      return self.attention(num_heads=4)(x)  # auto-named after its class
+
+  x = _x((B, T, F), 1)
+  theirs = Parent(nn.MultiHeadDotProductAttention)
+  ours = Parent(jattn.linen.MultiHeadDotProductAttention)
+  params = theirs.init(jax.random.key(0), x)
+  assert jax.tree.map(jnp.shape, ours.init(jax.random.key(0), x)) == jax.tree.map(
+      jnp.shape, params)
+  np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), **TOL)
