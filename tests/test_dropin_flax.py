@@ -286,3 +286,24 @@ def test_linen_flax_class_name_keeps_auto_named_parameter_paths():
   assert jax.tree.map(jnp.shape, ours.init(jax.random.key(0), x)) == jax.tree.map(
       jnp.shape, params)
   np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), **TOL)
+
+
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_precision_reaches_every_matmul(impl):
+  import re
+  x = _x((B, T, F), 1)
+  precisions = lambda f: set(re.findall(r"precision = \[(\w+), (\w+)\]",
+                                        jax.jit(f).lower(x).as_text()))
+  m = jattn.nnx.MultiHeadAttention(4, F, precision="high", implementation=impl,
+                                   rngs=nnx.Rngs(0))
+  flax_m = nnx.MultiHeadAttention(4, F, precision="high", decode=False, rngs=nnx.Rngs(0))
+  assert precisions(lambda x: m(x)) == {("HIGH", "HIGH")}
+  # flax's projections take it too; its jax.nn attention path runs at the global default
+  assert ("HIGH", "HIGH") in precisions(lambda x: flax_m(x))
+  lin = jattn.linen.MultiHeadAttention(4, precision=jax.lax.Precision.HIGH, implementation=impl)
+  params = lin.init(jax.random.key(0), x)
+  assert precisions(lambda x: lin.apply(params, x)) == {("HIGH", "HIGH")}
+  fn = lambda x: jattn.flax_attention_fn(x.reshape(B, T, 4, 4), x.reshape(B, T, 4, 4),
+                                         x.reshape(B, T, 4, 4), precision="high",
+                                         implementation=impl)
+  assert precisions(fn) == {("HIGH", "HIGH")}
