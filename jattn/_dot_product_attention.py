@@ -20,9 +20,9 @@ from jattn._vmapped import vmapped_attention
 from jattn._xla import xla_attention
 
 # name -> function(query, key, value, bias, mask, spec, dropout, scale, layout)
-#   -> (out, weights | None, lse float32 [B, N, T] | None). mask is the user's, [B|1, N|1, T, S]; spec holds the
-#   structural masks (causal, window, lengths, segments), left for each
-#   implementation to apply densely or block by block.
+#   -> (out, weights | None, lse float32 [B, N, T] | None). mask is the user's,
+#   [B|1, N|1, T, S]; spec holds the structural masks (causal, window, lengths,
+#   segments), left for each implementation to apply densely or block by block.
 _IMPLEMENTATIONS = {
     "xla": xla_attention,
     "vmap": vmapped_attention,
