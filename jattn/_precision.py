@@ -26,11 +26,11 @@ def matmul_precision(precision):
   try:
     if isinstance(precision, str):
       precision = lax.Precision(precision)
-    name = precision.name if isinstance(precision, (lax.Precision, lax.DotAlgorithmPreset)) else None
-    if name is None:
+    if isinstance(precision, lax.DotAlgorithmPreset):
+      return jax.default_matmul_precision(precision.name)
+    if not isinstance(precision, lax.Precision):
       raise ValueError
-    return jax.default_matmul_precision(name if isinstance(precision, lax.DotAlgorithmPreset)
-                                        else name.lower())
+    return jax.default_matmul_precision(precision.name.lower())
   except ValueError:
     raise ValueError(f"precision must be None, a jax.lax.Precision, its name or a "
                      f"jax.lax.DotAlgorithmPreset, got {precision!r}") from None
