@@ -18,6 +18,7 @@ from jattn._attend import attend
 from jattn._attention import attention, project_qkv
 from jattn._block_sizes import BlockSizes
 from jattn._dot_product_attention import dot_product_attention
+from jattn._flax_attention_fn import flax_attention_fn
 from jattn._masks import (causal_mask, combine_masks, local_mask, padding_mask,
                           segment_mask)
 from jattn._ring_attention import ring_attention
@@ -29,6 +30,7 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "dot_product_attention",
+    "flax_attention_fn",
     "local_mask",
     "padding_mask",
     "project_qkv",

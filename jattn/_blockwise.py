@@ -404,7 +404,8 @@ class _Grid:
     """float32 [B, K, G, bq, bk]: this block's dropout draw, from global positions."""
     rng = jax.random.fold_in(self.dropout.rng, self.q_offset + i * self.bq)
     rng = jax.random.fold_in(rng, self.kv_offset + j * self.bk)
-    keep = Dropout(self.dropout.rate, rng).multipliers((self.B, self.N, self.bq, self.bk))
+    keep = Dropout(self.dropout.rate, rng, self.dropout.broadcast).multipliers(
+        (self.B, self.N, self.bq, self.bk))
     return split_heads(keep, 1, self.K)
 
   def add_bias_grad(self, d_bias, ds_t, i, j):

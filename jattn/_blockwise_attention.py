@@ -2,7 +2,8 @@
 
 The forward saves only the output and the log-sum-exp [B, N, T]; the
 backward recomputes each block's weights from them (`_blockwise.backward`),
-so memory stays linear in T and S in both passes.
+so memory stays linear in T and S in both passes. The log-sum-exp is also
+returned (jax.nn's `return_residual`), without a gradient, as jax.nn's.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ from jattn._masks import MaskSpec
 def blockwise_attention(query, key, value, bias, mask, spec: MaskSpec,
                         dropout: Dropout | None, scale, layout: Layout, *,
                         block_sizes: BlockSizes | None = None):
-  """Arguments as `_xla.xla_attention`; returns (out, None): no weights are formed."""
+  """Arguments as `_xla.xla_attention`; returns (out, None, lse): no weights are formed."""
   if block_sizes is None:
     block_sizes = default_block_sizes(jax.devices()[0].platform)
   static = _Static(is_causal=spec.is_causal, local_window=spec.local_window,
                    dropout_rate=None if dropout is None else dropout.rate,
+                   dropout_broadcast=dropout is not None and dropout.broadcast,
                    layout=layout, block_sizes=block_sizes)
   arrays = dict(q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,
                 q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
                 rng=None if dropout is None else dropout.rng, scale=scale)
-  return _attention(static, query, key, value, bias, mask, arrays), None
+  out, lse = _attention(static, query, key, value, bias, mask, arrays)
+  return out, None, lse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +44,7 @@ class _Static:
   is_causal: bool
   local_window: tuple[int, int] | None
   dropout_rate: float | None
+  dropout_broadcast: bool
   layout: Layout
   block_sizes: BlockSizes
 
@@ -51,24 +55,25 @@ def _unpack(static: _Static, arrays):
                   q_segment_ids=arrays["q_segment_ids"],
                   kv_segment_ids=arrays["kv_segment_ids"])
   dropout = (None if static.dropout_rate is None
-             else Dropout(static.dropout_rate, arrays["rng"]))
+             else Dropout(static.dropout_rate, arrays["rng"], static.dropout_broadcast))
   return spec, dropout, arrays["scale"]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, query, key, value, bias, mask, arrays):
-  out, _ = _forward(static, query, key, value, bias, mask, arrays)
-  return out
+  """-> (out, lse float32 [B, N, T])."""
+  return _forward(static, query, key, value, bias, mask, arrays)[0]
 
 
 def _forward(static, query, key, value, bias, mask, arrays):
   spec, dropout, scale = _unpack(static, arrays)
   out, lse = _blockwise.forward(query, key, value, bias, mask, spec, dropout, scale,
                                 static.layout, 0, 0, static.block_sizes)
-  return out, (query, key, value, bias, mask, arrays, out, lse)
+  return (out, lse), (query, key, value, bias, mask, arrays, out, lse)
 
 
-def _backward(static, residuals, d_out):
+def _backward(static, residuals, cotangents):
+  d_out, _ = cotangents  # the lse carries no gradient (jax.nn stops it too)
   query, key, value, bias, mask, arrays, out, lse = residuals
   spec, dropout, scale = _unpack(static, arrays)
   d_query, d_key, d_value, d_bias = _blockwise.backward(

@@ -36,8 +36,11 @@ def cudnn_unsupported(*, platform: str, dtype, H: int, D: int, dropout_rate: flo
 
 
 def cudnn_attention(query, key, value, bias, mask, spec: MaskSpec,
-                    dropout: Dropout | None, scale, layout: Layout):
-  """Arguments as `_xla.xla_attention`; returns (out, None)."""
+                    dropout: Dropout | None, scale, layout: Layout, *,
+                    return_residual: bool = False):
+  """Arguments as `_xla.xla_attention`; returns (out, None, lse [B, N, T] or None).
+
+  The lse is asked of cuDNN only when wanted (return_residual)."""
   del dropout  # excluded by cudnn_unsupported
   q, k, v = (jnp.einsum(f"{sub}->{canon}", x) for x, sub, canon in (
       (query, layout.query, "BTNH"), (key, layout.key, "BSKH"), (value, layout.value, "BSKD")))
@@ -45,5 +48,7 @@ def cudnn_attention(query, key, value, bias, mask, spec: MaskSpec,
       q, k, v, bias, mask, scale=float(scale) if isinstance(scale, float) else scale,
       is_causal=spec.is_causal, query_seq_lengths=spec.q_lengths,
       key_value_seq_lengths=spec.kv_lengths, local_window_size=spec.local_window,
-      implementation="cudnn")
-  return jnp.einsum(f"BTND->{layout.out}", out), None
+      implementation="cudnn", return_residual=return_residual)
+  out, lse = out if return_residual else (out, None)  # lse [B, T, N]
+  lse = None if lse is None else jnp.einsum("BTN->BNT", lse)
+  return jnp.einsum(f"BTND->{layout.out}", out), None, lse

@@ -20,10 +20,14 @@ class Dropout:
 
   rate: float
   rng: jax.Array
+  broadcast: bool = False  # one draw for all batch elements and heads, as flax's default
 
   def multipliers(self, shape) -> jax.Array:
-    """float32 0 or 1 / (1 - rate), so that the expectation of each weight is kept."""
-    kept = jax.random.bernoulli(self.rng, 1.0 - self.rate, shape)
+    """float32 0 or 1 / (1 - rate), so that the expectation of each weight is kept.
+
+    shape is [B, N, ...]; with broadcast the draw is [1, 1, ...], broadcast to it."""
+    drawn = (1, 1) + tuple(shape[2:]) if self.broadcast else shape
+    kept = jnp.broadcast_to(jax.random.bernoulli(self.rng, 1.0 - self.rate, drawn), shape)
     return jnp.where(kept, jnp.float32(1.0 / (1.0 - self.rate)), jnp.float32(0.0))
 
 

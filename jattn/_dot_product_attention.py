@@ -20,9 +20,9 @@ from jattn._vmapped import vmapped_attention
 from jattn._xla import xla_attention
 
 # name -> function(query, key, value, bias, mask, spec, dropout, scale, layout)
-#   -> (out, weights). mask is the user's, [B|1, N|1, T, S]; spec holds the
-#   structural masks (causal, window, lengths, segments), left for each
-#   implementation to apply densely or block by block.
+#   -> (out, weights | None, lse float32 [B, N, T] | None). mask is the user's,
+#   [B|1, N|1, T, S]; spec holds the structural masks (causal, window, lengths,
+#   segments), left for each implementation to apply densely or block by block.
 _IMPLEMENTATIONS = {
     "xla": xla_attention,
     "vmap": vmapped_attention,
@@ -74,8 +74,8 @@ def dot_product_attention(
     q_segment_ids=None, kv_segment_ids=None,
     layout="BTNH",
     implementation=None,
-    dropout_rate=0.0, dropout_rng=None,
-    return_weights=False, block_sizes=None):
+    dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
+    return_weights=False, block_sizes=None, return_residual=False):
   """Scaled dot-product attention over a batch of multi-head sequences.
 
   Takes the arrays of `jax.nn.dot_product_attention` and gives the same result:
@@ -86,7 +86,10 @@ def dot_product_attention(
   Args:
     query, key, value: arrays in `layout` (key/value with S for T).
     bias: float, added to the logits; broadcastable to [B, N, T, S].
-    mask: bool, True = may attend; broadcastable to [B, N, T, S].
+    mask: bool, True = may attend; broadcastable to [B, N, T, S]. Like
+      jax.nn's, only bool masks are accepted (a TypeError otherwise): pass
+      additive masks as `bias`, or `mask != 0` for flax's float masks (the
+      Flax modules and `jattn.flax_attention_fn` convert those themselves).
     scale: multiplies the logits; 1 / sqrt(H) by default.
     is_causal: query i attends keys j <= i (aligned at the start, as jax.nn).
     query_seq_lengths, key_value_seq_lengths: int [B]; positions past the
@@ -107,11 +110,21 @@ def dot_product_attention(
       "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`).
     dropout_rate, dropout_rng: dropout on the attention weights, with inverted
       scaling; the same rng gives the same result.
+    broadcast_dropout: one dropout draw [T, S] shared by every batch element
+      and head (flax's broadcast_dropout=True) instead of one per (b, n).
     return_weights: also return the softmax weights [B, N, T, S] (before dropout).
     block_sizes: `jattn.BlockSizes(q=..., kv=...)` for "blockwise" (implies it
       when implementation is None); the platform's default when None. Its
       dropout draw depends on the block sizes.
+    return_residual: also return the log-sum-exp of each query row's logits
+      (after scale, bias and masks), as jax.nn: shaped like the query without
+      H ([B, T, N] for "BTNH", [B, N, T] for "BNTH" and "BNHT"), in value's
+      dtype, no gradient (stopped, as jax.nn's). A row that may attend to no
+      key gets the finite -0.7 * float32 max, as jax.nn (float16: -inf). From
+      every implementation; "vmap" computes it with the einsum logits.
 
+  Returns out; (out, weights) with return_weights; (out, lse) with
+  return_residual; (out, weights, lse) with both.
   A query that may attend to no key returns zeros, with finite gradients.
   Logits and softmax are computed in float32; the output has value's dtype.
   """
@@ -124,7 +137,8 @@ def dot_product_attention(
         dropout_rate=dropout_rate, return_weights=return_weights, block_sizes=block_sizes,
         scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, layout=layout)
+        kv_segment_ids=kv_segment_ids, layout=layout, return_residual=return_residual,
+        broadcast_dropout=broadcast_dropout)
   query = _checks.float_array("query", query)
   key = _checks.float_array("key", key)
   value = _checks.float_array("value", value)
@@ -144,8 +158,11 @@ def dot_product_attention(
   if scale is None:
     scale = default_scale(dims["H"])
   _check_dropout(dropout_rate, dropout_rng)
-  if not isinstance(is_causal, bool):
-    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  for name, flag in (("is_causal", is_causal), ("return_weights", return_weights),
+                     ("return_residual", return_residual),
+                     ("broadcast_dropout", broadcast_dropout)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name} must be a bool, got {flag!r}")
   impl = _resolve_implementation(
       implementation, block_sizes, platform=jax.devices()[0].platform, dims=dims,
       dtype=query.dtype, dropout_rate=float(dropout_rate),
@@ -157,33 +174,49 @@ def dot_product_attention(
   mask = None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
   bias = None if bias is None else jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
 
-  out, weights = _compute(
+  out, weights, lse = _compute(
       query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
       scale, dropout_rng, is_causal=is_causal, window=window,
-      dropout_rate=float(dropout_rate), layout=lay, impl=impl, block_sizes=block_sizes,
-      static_scale=scale if impl == "cudnn" else None)
+      dropout_rate=float(dropout_rate), broadcast_dropout=broadcast_dropout,
+      layout=lay, impl=impl, block_sizes=block_sizes,
+      static_scale=scale if impl == "cudnn" else None,
+      return_weights=return_weights, return_residual=return_residual)
   if not dims["has_batch"]:
     out = out[0]
     weights = None if weights is None else weights[0]
-  return (out, weights) if return_weights else out
+    lse = None if lse is None else lse[0]
+  extras = (weights,) * return_weights + (lse,) * return_residual
+  return (out, *extras) if extras else out
+
+
+def residual_in_layout(lse, layout: Layout, dtype) -> jax.Array:
+  """lse float32 [B, N, T] -> the query's layout without H, in `dtype`, no gradient."""
+  rows = layout.query.replace("H", "")
+  return jax.lax.stop_gradient(jnp.einsum(f"BNT->{rows}", lse).astype(dtype))
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "is_causal", "window", "dropout_rate", "layout", "impl", "block_sizes",
-    "static_scale"))
+    "is_causal", "window", "dropout_rate", "broadcast_dropout", "layout", "impl",
+    "block_sizes", "static_scale", "return_weights", "return_residual"))
 def _compute(query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
-             scale, dropout_rng, *, is_causal, window, dropout_rate, layout, impl,
-             block_sizes, static_scale):
+             scale, dropout_rng, *, is_causal, window, dropout_rate, broadcast_dropout,
+             layout, impl, block_sizes, static_scale, return_weights, return_residual):
   spec = MaskSpec(is_causal=is_causal, local_window=window,
                   q_lengths=q_lengths, kv_lengths=kv_lengths,
                   q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-  dropout = Dropout(dropout_rate, dropout_rng) if dropout_rate > 0.0 else None
+  dropout = (Dropout(dropout_rate, dropout_rng, broadcast_dropout)
+             if dropout_rate > 0.0 else None)
   fn = _IMPLEMENTATIONS[impl]
   if impl == "blockwise":
     fn = functools.partial(fn, block_sizes=block_sizes)
+  if impl == "cudnn":
+    fn = functools.partial(fn, return_residual=return_residual)
   if static_scale is not None:  # cuDNN takes the scale as a Python number
     scale = static_scale
-  return fn(query, key, value, bias, mask, spec, dropout, scale, layout)
+  out, weights, lse = fn(query, key, value, bias, mask, spec, dropout, scale, layout)
+  # Only what was asked for leaves the jit, so the rest is never computed.
+  return (out, weights if return_weights else None,
+          residual_in_layout(lse, layout, value.dtype) if return_residual else None)
 
 
 def _check_arrays(query, key, value, lay: Layout) -> dict:

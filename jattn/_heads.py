@@ -9,6 +9,8 @@ flax.nnx.MultiHeadAttention, so weights move between the modules unchanged.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -45,8 +47,8 @@ def check_inputs(name: str, x, in_features: int, layout: str) -> jax.Array:
   x = jnp.asarray(x)
   legend = "[B, T, F]" if layout == "rows" else "[B, F, T]"
   if x.ndim != 3:
-    raise ValueError(f"{name}: expected rank 3 {legend} for layout {layout!r}, "
-                     f"got shape {x.shape}")
+    raise ValueError(f"{name}: expected rank 3 {legend} for layout {layout!r} (or any "
+                     f"number of batch axes before the last two), got shape {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype} "
                     f"with shape {x.shape}")
@@ -62,22 +64,24 @@ def compute_dtype(dtype, *arrays):
   return dtype if dtype is not None else jnp.result_type(*arrays)
 
 
-def project_in(x, kernel, bias, *, layout: str, dtype=None) -> jax.Array:
+def project_in(x, kernel, bias, *, layout: str, dtype=None, out_sharding=None) -> jax.Array:
   """x [B, T, F] or [B, F, T], kernel [F, N, H], bias [N, H] | None
-  -> [B, T, N, H] (rows) or [B, N, H, T] (columns)."""
+  -> [B, T, N, H] (rows) or [B, N, H, T] (columns), sharded as out_sharding."""
   dtype = compute_dtype(dtype, x, kernel, *(() if bias is None else (bias,)))
-  y = jnp.einsum(_IN[layout], x.astype(dtype), kernel.astype(dtype))
+  y = jnp.einsum(_IN[layout], x.astype(dtype), kernel.astype(dtype),
+                 out_sharding=out_sharding)
   if bias is not None:
     bias = bias.astype(dtype)
     y = y + (bias if layout == "rows" else bias[:, :, None])  # [N, H] or [N, H, 1]
   return y
 
 
-def project_out(y, kernel, bias, *, layout: str, dtype=None) -> jax.Array:
+def project_out(y, kernel, bias, *, layout: str, dtype=None, out_sharding=None) -> jax.Array:
   """y [B, T, N, H] or [B, N, H, T], kernel [N, H, F], bias [F] | None
-  -> [B, T, F] (rows) or [B, F, T] (columns)."""
+  -> [B, T, F] (rows) or [B, F, T] (columns), sharded as out_sharding."""
   dtype = compute_dtype(dtype, y, kernel, *(() if bias is None else (bias,)))
-  out = jnp.einsum(_OUT[layout], y.astype(dtype), kernel.astype(dtype))
+  out = jnp.einsum(_OUT[layout], y.astype(dtype), kernel.astype(dtype),
+                   out_sharding=out_sharding)
   if bias is not None:
     bias = bias.astype(dtype)
     out = out + (bias if layout == "rows" else bias[:, None])  # [F] or [F, 1]
@@ -97,3 +101,58 @@ def check_heads(num_heads: int, qkv_features: int, num_kv_heads: int) -> int:
     raise ValueError(f"num_heads ({num_heads}) must be divisible by "
                      f"num_kv_heads ({num_kv_heads})")
   return qkv_features // num_heads
+
+
+def float_mask(mask):
+  """flax's masks: bool, or numeric with nonzero = may attend (flax's helpers
+  make float32 ones) -> bool, or None."""
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def check_deprecated(**given) -> None:
+  """flax's deprecated dot_general hooks: jattn's projections are einsums."""
+  for name, value in given.items():
+    if value is not None:
+      raise ValueError(f"{name}: jattn projects with its own einsums and cannot use a "
+                       f"replacement dot_general (deprecated in flax too), got {value!r}")
+
+
+def key_value_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
+  """flax's rules: inputs_k defaults to inputs_q, inputs_v to inputs_k;
+  inputs_kv (older flax) sets both. Returns (inputs_k, inputs_v, self_attention)."""
+  if inputs_kv is not None:
+    if inputs_k is not None or inputs_v is not None:
+      raise ValueError("inputs_kv sets both keys and values: pass either inputs_kv or "
+                       "inputs_k/inputs_v, not both")
+    inputs_k = inputs_v = inputs_kv
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError("inputs_v needs inputs_k: pass the same array as inputs_k and "
+                       "leave inputs_v None for keys and values from one input")
+    return inputs_q, inputs_q, True
+  return inputs_k, (inputs_k if inputs_v is None else inputs_v), False
+
+
+def merge_batch(x, batch: tuple[int, ...]):
+  """[batch..., a, b] -> [prod(batch), a, b] (flax takes any number of batch axes)."""
+  if x is None or len(batch) == 1 or jnp.ndim(x) < 2:
+    return x  # (check_inputs names a rank below 2)
+  x = jnp.asarray(x)
+  return x.reshape((math.prod(batch),) + x.shape[-2:])
+
+
+def merge_mask_batch(mask, batch: tuple[int, ...]):
+  """A mask broadcastable to [batch..., N, T, S] -> one batch axis."""
+  if mask is None or len(batch) == 1 or jnp.ndim(mask) <= 3:
+    return mask  # with no batch axes of its own it broadcasts as it is
+  mask = jnp.asarray(mask)
+  full = jnp.broadcast_to(mask, batch + mask.shape[-3:])
+  return full.reshape((math.prod(batch),) + mask.shape[-3:])
+
+
+def split_batch(y, batch: tuple[int, ...]):
+  """The inverse of merge_batch on the output."""
+  return y if len(batch) == 1 else y.reshape(batch + y.shape[1:])

@@ -5,6 +5,9 @@ already in its cache. A call writes its lengths[b] new tokens at positions
 index[b], index[b] + 1, ... and its queries attend causally to everything
 cached up to their own position. Prompts of different lengths therefore share
 one batch, and decoding one token at a time continues each from its own end.
+
+flax's protocol keeps one position for the whole batch, a scalar index: the
+same functions take it (every row then writes all its tokens).
 """
 
 from __future__ import annotations
@@ -61,17 +64,33 @@ def step(cached_key, cached_value, index, key, value, lengths, *, token_axis: in
   """One decoding call: writes key/value into the caches and builds the mask.
 
   cached_*: [B, S, K, H] or [B, K, H, S]; key/value: the same with T for S;
-  index, lengths: int [B]. Returns (cached_key, cached_value, index + lengths,
-  mask bool [B, 1, T, S]).
+  index, lengths: int [B], or index a scalar (flax's protocol, lengths all T).
+  Returns (cached_key, cached_value, index + lengths, mask bool [B, 1, T, S]).
   """
   T, S = key.shape[token_axis], cached_key.shape[token_axis]
+  if index.ndim == 0:  # flax's one position: every row at index, the new index a scalar
+    rows = jnp.broadcast_to(index, lengths.shape)
+    k, v, _, mask = step(cached_key, cached_value, rows, key, value, lengths,
+                         token_axis=token_axis)
+    return k, v, index + T, mask
   cached_key = write(cached_key, key, index, lengths, token_axis=token_axis)
   cached_value = write(cached_value, value, index, lengths, token_axis=token_axis)
   return cached_key, cached_value, index + lengths, decode_mask(index, T, S)
 
 
-def check_call(self_attention: bool, is_causal: bool) -> None:
-  """decode=True is causal self-attention over the cache; anything else is refused."""
+def check_call(self_attention: bool, is_causal: bool, *, per_row: bool = True,
+               lengths=None) -> None:
+  """decode=True is causal self-attention over the cache; anything else is refused.
+
+  flax's protocol (per_row=False, a scalar cache index) is causal by
+  construction and needs neither is_causal nor self-attention, as in flax;
+  it has one position for the batch, so no lengths."""
+  if not per_row:
+    if lengths is not None:
+      raise ValueError("lengths: a cache made by flax's init_cache(input_shape) keeps one "
+                       "position for the batch; for a length per row use "
+                       "init_cache(batch_size, max_length)")
+    return
   if not self_attention:
     raise ValueError("decode=True is self-attention over the cache: inputs_kv "
                      "must be None")

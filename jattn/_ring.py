@@ -136,10 +136,10 @@ def ring_core(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, 
   q, k, v: the local blocks in `ring.layout`; q_offsets / kv_offsets int32
   [chunks]: the global position of the first token of each local chunk;
   q_ids [B, t] / kv_ids [B, s]: segment ids or None; q_len / kv_len [B]
-  (global lengths) or None. Returns the local output in the out layout.
+  (global lengths) or None. Returns the local output in the out layout and
+  the local lse float32 [B, N, t] (no gradient flows back through it).
   """
-  out, _ = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
-  return out
+  return _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
 
 
 def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len):
@@ -169,10 +169,11 @@ def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_l
 
 def _ring_fwd(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len):
   out, lse = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
-  return out, (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, out, lse)
+  return (out, lse), (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, out, lse)
 
 
-def _ring_bwd(ring: Ring, residuals, d_out):
+def _ring_bwd(ring: Ring, residuals, cotangents):
+  d_out, _ = cotangents  # the lse carries no gradient, as jax.nn's residual
   q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, out, lse = residuals
   lay = ring.layout
   q_parts = list(zip(ring.split(q, "T"), ring.split(q_ids, "T", axis=1),

@@ -9,7 +9,8 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from jattn import _checks
 from jattn._attend import default_scale
 from jattn._block_sizes import BlockSizes, default_block_sizes
-from jattn._dot_product_attention import _check_arrays, _lengths, _segment_ids
+from jattn._dot_product_attention import (_check_arrays, _lengths, _segment_ids,
+                                          residual_in_layout)
 from jattn._layout import Layout, parse_layout
 from jattn._ring import Ring, chunk_offsets, from_zigzag, ring_core, to_zigzag
 
@@ -20,7 +21,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
                    q_segment_ids=None, kv_segment_ids=None,
                    layout: str = "BTNH", batch_axis_name: str | None = None,
                    head_axis_name: str | None = None, load_balance: bool = True,
-                   block_sizes: BlockSizes | None = None):
+                   block_sizes: BlockSizes | None = None, return_residual: bool = False):
   """Attention with the sequence sharded over `mesh` axis `axis_name` (ring attention).
 
   Same arrays and result as `dot_product_attention` (query [B, T, N, H], key
@@ -37,6 +38,8 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
 
   Within a device each step runs the blockwise implementation (block_sizes,
   default per platform), so per-device memory is linear in T / P.
+
+  return_residual=True returns (out, lse) as `dot_product_attention`.
 
   Requires T and S divisible by P (by 2P for the zig-zag order). bias, a dense
   mask, a local window and dropout are not supported here.
@@ -62,12 +65,15 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   if not lay.has_batch:
     query, key, value = (x[None] for x in (query, key, value))
     lay = Layout("B" + lay.query)
-  out = _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids,
+  out, lse = _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids,
                  mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
                  head_axis_name=head_axis_name, num_devices=num_devices,
                  scale=float(scale), is_causal=is_causal, zigzag=zigzag, layout=lay,
                  block_sizes=block_sizes or default_block_sizes(jax.devices()[0].platform))
-  return out if dims["has_batch"] else out[0]
+  lse = residual_in_layout(lse, lay, out.dtype)  # [B, T, N] for "BTNH"
+  if not dims["has_batch"]:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out
 
 
 # The mesh axis names that dot_product_attention(implementation="ring") uses.
@@ -75,14 +81,16 @@ SEQUENCE_AXIS, BATCH_AXIS, HEADS_AXIS = "seq", "data", "model"
 
 
 def ring_from_context(query, key, value, bias, mask, *, local_window_size,
-                      dropout_rate, return_weights, block_sizes, **kwargs):
+                      dropout_rate, return_weights, block_sizes, broadcast_dropout,
+                      **kwargs):
   """`dot_product_attention(implementation="ring")`: ring attention over the mesh
   set with `jax.set_mesh`, its "seq" axis the ring; "data" and "model" axes, if
   present, shard the batch and the heads."""
   unsupported = [name for name, given in (
       ("bias", bias is not None), ("mask", mask is not None),
       ("local_window_size", local_window_size is not None),
-      ("dropout_rate", bool(dropout_rate)), ("return_weights", bool(return_weights)))
+      ("dropout_rate", bool(dropout_rate)), ("return_weights", bool(return_weights)),
+      ("broadcast_dropout", bool(broadcast_dropout)))
                  if given]
   if unsupported:
     raise ValueError(f"implementation='ring' does not support {', '.join(unsupported)}: "
@@ -145,10 +153,11 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
         q_ids, kv_ids = reorder(q_ids, 1), reorder(kv_ids, 1)
     q_offsets = chunk_offsets(T, chunks, axis_name, num_devices)
     kv_offsets = chunk_offsets(S, chunks, axis_name, num_devices)
-    out = ring_core(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
+    out, lse = ring_core(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
     if zigzag:
       out = from_zigzag(out, layout.axis("T"), axis_name, num_devices)
-    return out
+      lse = from_zigzag(lse, 2, axis_name, num_devices)  # [B, N, T]
+    return out, lse
 
   # An absent (None) optional argument is an empty pytree: any spec fits it.
   ids_spec = spec("BT")
@@ -156,7 +165,7 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
       local, mesh=mesh,
       in_specs=(spec(layout.query), spec(layout.key), spec(layout.value),
                 ids_spec, ids_spec, spec("B"), spec("B")),
-      out_specs=spec(layout.out),
+      out_specs=(spec(layout.out), spec("BNT")),
       # The blockwise loops inside start their accumulators from constants,
       # which the varying-manual-axes type check would reject as loop carries.
       check_vma=False,

@@ -15,7 +15,7 @@ from jattn._attention import attention_with_weights
 from jattn._dense import Dropout, dense_mask_and_keep
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
-from jattn._xla import grouped_logical, split_heads
+from jattn._xla import grouped_logical, split_heads, xla_attention
 
 
 def _full(x, shape):
@@ -27,8 +27,11 @@ def vmapped_attention(query, key, value, bias, mask, spec: MaskSpec,
                       dropout: Dropout | None, scale, layout: Layout):
   """Batched multi-head attention from single-head attention and jax.vmap.
 
-  Arguments and results as `_xla.xla_attention`.
+  Arguments and results as `_xla.xla_attention`. The lse is the einsum
+  formulation's (one head has no use for it); under jit it is computed only
+  when used.
   """
+  lse = xla_attention(query, key, value, bias, mask, spec, None, scale, layout)[2]
   K = key.shape[layout.axis("K")]
   N = query.shape[layout.axis("N")]
   B = query.shape[layout.axis("B")]
@@ -62,4 +65,4 @@ def vmapped_attention(query, key, value, bias, mask, spec: MaskSpec,
     weights = jnp.swapaxes(weights, -1, -2)
   n = layout.axis("N")
   out = out.reshape(out.shape[:n] + (N,) + out.shape[n + 2:])
-  return out, weights.reshape((B, N, T, S))
+  return out, weights.reshape((B, N, T, S)), lse

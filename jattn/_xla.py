@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jattn._dense import Dropout, dense_mask_and_keep
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
-from jattn._softmax import logits_dtype, masked_softmax
+from jattn._softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax
 
 _LOGICAL = "BKGTS"  # mask, bias and weights: logical order, N split
 
@@ -37,7 +37,8 @@ def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
                   dropout: Dropout | None, scale, layout: Layout):
   """Batched multi-head attention; bias and mask in logical [B|1, N|1, T, S].
 
-  Returns (out in the layout with D for H, weights [B, N, T, S]).
+  Returns (out in the layout with D for H, weights [B, N, T, S], lse float32
+  [B, N, T]); under jit an unused lse or weights costs nothing.
   """
   B, N, T = (query.shape[layout.axis(c)] for c in "BNT")
   S, K = (key.shape[layout.axis(c)] for c in "SK")
@@ -57,13 +58,23 @@ def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
     logits = logits + to_logits(bias).astype(dtype)
   weights = masked_softmax(logits, to_logits(mask), axis=-1,
                            may_empty_a_row=may_empty_a_row)
+  lse = _row_lse(logits, to_logits(mask), logits_sub).reshape((B, N, T))
   used = weights if keep is None else weights * to_logits(keep).astype(dtype)
   out = jnp.einsum(f"{logits_sub},{layout.value}->{out_sub}", used.astype(value.dtype),
                    value, preferred_element_type=dtype)
   out = out.reshape(out.shape[:layout.axis("N")] + (N,) + out.shape[layout.axis("N") + 2:])
   # weights [B, K, G, T, S] -> [B, N, T, S]
   weights = jnp.transpose(weights, [logits_sub.index(c) for c in _LOGICAL])
-  return out.astype(value.dtype), weights.reshape((B, N, T, S))
+  return out.astype(value.dtype), weights.reshape((B, N, T, S)), lse
+
+
+def _row_lse(logits, mask, logits_sub: str) -> jax.Array:
+  """[B, K, G, T]: log sum_s exp(logit), masked logits counted as LARGE_NEGATIVE,
+  as jax.nn's residual (a row with no key: LARGE_NEGATIVE, finite)."""
+  if mask is not None:
+    logits = jnp.where(mask, logits, LARGE_NEGATIVE)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  return jnp.einsum(f"{logits_sub[:-1]}->BKGT", lse)
 
 
 def _logits_subscripts(q_sub: str) -> str:

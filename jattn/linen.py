@@ -2,13 +2,17 @@
 
 Its parameter tree equals that of flax.linen.MultiHeadDotProductAttention
 ({query, key, value}: kernel [F, N, H], bias [N, H]; out: kernel [N, H, F],
-bias [F]; with num_kv_heads the key/value kernels are [F, K, H]), so params
-from one apply to the other. Inputs are [B, T, F] (rows) or [B, F, T] (columns).
+bias [F]; query_ln/key_ln scale [H] with normalize_qk; with num_kv_heads the
+key/value kernels are [F, K, H]), so params from one apply to the other. It
+takes every attribute and call argument of flax's, with flax's meaning.
+Inputs are [B, T, F] (rows) or [B, F, T] (columns).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -16,6 +20,7 @@ from flax import linen as nn
 
 from jattn import _heads, _kv_cache
 from jattn._dot_product_attention import dot_product_attention
+from jattn._precision import matmul_precision
 
 
 class _Projection(nn.Module):
@@ -44,10 +49,22 @@ class _Projection(nn.Module):
 class MultiHeadAttention(nn.Module):
   """Multi-head (and grouped-query) attention; see jattn.nnx.MultiHeadAttention.
 
-  The features F are read from inputs_q. Dropout draws from the `dropout` rng
-  collection, independently for every batch element and head. decode=True
-  keeps the KV cache in the `cache` collection: its size is set by the inputs
-  of `init` ([B, max_length, F] or [B, F, max_length]).
+  flax.linen.MultiHeadDotProductAttention's attributes, with its meaning:
+  num_heads, dtype, param_dtype, qkv_features, out_features, dropout_rate,
+  deterministic, broadcast_dropout (jattn's default False draws every batch
+  element and head independently; flax's True shares one draw), precision
+  (every matmul of the call), kernel_init, out_kernel_init, bias_init,
+  out_bias_init, use_bias, attention_fn (None: jattn.dot_product_attention;
+  else called as flax calls it; rows only), decode (flax's protocol: `init`
+  with full-length inputs makes the `cache` collection, each later call
+  appends its tokens, one position for the batch), normalize_qk,
+  force_fp32_for_softmax (jattn's softmax is always float32). The deprecated
+  dot_general / einsum hooks raise a ValueError when given.
+
+  jattn's own: num_kv_heads, layout, implementation; decode=True in the call
+  (a cache position per batch element, `lengths`, is_causal=True). The
+  features F are read from inputs_q. Dropout draws from the `dropout` rng
+  collection unless the call gives `dropout_rng`.
   """
 
   num_heads: int
@@ -63,55 +80,150 @@ class MultiHeadAttention(nn.Module):
   deterministic: bool | None = None
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
+  broadcast_dropout: bool = False
+  precision: Any = None
+  out_kernel_init: Callable | None = None
+  out_bias_init: Callable | None = None
+  attention_fn: Callable | None = None
+  decode: bool = False
+  normalize_qk: bool = False
+  force_fp32_for_softmax: bool = False
+  qkv_dot_general: Any = None
+  out_dot_general: Any = None
+  qkv_dot_general_cls: Any = None
+  out_dot_general_cls: Any = None
+  qk_attn_weights_einsum_cls: Any = None
+  attn_weights_value_einsum_cls: Any = None
 
   @nn.compact
-  def __call__(self, inputs_q, inputs_kv=None, *, mask=None, is_causal: bool = False,
-               deterministic=None, decode: bool = False, lengths=None):
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
+               mask=None, is_causal: bool = False, deterministic=None, dropout_rng=None,
+               sow_weights: bool = False, decode: bool = False, lengths=None):
+    """inputs_k/inputs_v/inputs_kv as flax's (keys and values default to
+    inputs_q); mask bool or numeric, nonzero = may attend, broadcastable to
+    [B, N, T, S]; dropout_rng overrides the `dropout` collection; sow_weights
+    sows the weights [B, N, T, S] into 'intermediates'. lengths: int [B], keys
+    past lengths[b] are padding."""
+    self._check_attributes()
     layout = _heads.check_layout(self.layout)
+    # any number of batch axes, as flax: merged into one here, split on the way out
+    batch = jnp.shape(inputs_q)[:-2]
+    inputs_q, inputs_k, inputs_v, inputs_kv = (
+        _heads.merge_batch(x, batch) for x in (inputs_q, inputs_k, inputs_v, inputs_kv))
+    mask = _heads.merge_mask_batch(mask, batch)
+    if lengths is not None and len(batch) != 1:
+      lengths = jnp.reshape(lengths, (-1,))
+    if inputs_kv is not None:
+      warnings.warn("inputs_kv is deprecated in flax; use inputs_k and inputs_v",
+                    DeprecationWarning, stacklevel=2)
+    inputs_k, inputs_v, self_attention = _heads.key_value_inputs(
+        inputs_q, inputs_k, inputs_v, inputs_kv)
     F = jnp.shape(inputs_q)[_heads.feature_axis(layout)] if jnp.ndim(inputs_q) == 3 else -1
     inputs_q = _heads.check_inputs("inputs_q", inputs_q, F, layout)
-    self_attention = inputs_kv is None
-    inputs_kv = inputs_q if self_attention else _heads.check_inputs(
-        "inputs_kv", inputs_kv, F, layout)
+    if not self_attention:
+      F_kv = jnp.shape(inputs_k)[_heads.feature_axis(layout)] if jnp.ndim(inputs_k) == 3 else -1
+      inputs_k = _heads.check_inputs("inputs_k", inputs_k, F_kv, layout)
+      inputs_v = _heads.check_inputs("inputs_v", inputs_v, F_kv, layout)
     qkv = self.qkv_features or F
     out_features = self.out_features or F
     kv_heads = self.num_kv_heads or self.num_heads
     H = _heads.check_heads(self.num_heads, qkv, kv_heads)
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
+    mask = _heads.float_mask(mask)
     proj = dict(use_bias=self.use_bias, param_dtype=self.param_dtype,
                 kernel_init=self.kernel_init, bias_init=self.bias_init)
     N, K = self.num_heads, kv_heads
     heads = dict(layout=layout, dtype=self.dtype)
-    # [B, T, N, H] (rows) or [B, N, H, T] (columns); key/value with S and K
-    query = _heads.project_in(inputs_q, *_Projection((F,), (N, H), name="query", **proj)(), **heads)
-    key = _heads.project_in(inputs_kv, *_Projection((F,), (K, H), name="key", **proj)(), **heads)
-    value = _heads.project_in(inputs_kv, *_Projection((F,), (K, H), name="value", **proj)(), **heads)
-    out_proj = _Projection((N, H), (out_features,), name="out", **proj)
+    with matmul_precision(self.precision):
+      # [B, T, N, H] (rows) or [B, N, H, T] (columns); key/value with S and K
+      query = _heads.project_in(inputs_q, *_Projection((F,), (N, H), name="query", **proj)(),
+                                **heads)
+      key = _heads.project_in(inputs_k, *_Projection((inputs_k.shape[_heads.feature_axis(
+          layout)],), (K, H), name="key", **proj)(), **heads)
+      value = _heads.project_in(inputs_v, *_Projection((inputs_v.shape[_heads.feature_axis(
+          layout)],), (K, H), name="value", **proj)(), **heads)
+      if self.normalize_qk:  # over each head's H axis
+        axis = -1 if layout == "rows" else -2
+        norm = lambda name: nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype,
+                                         param_dtype=self.param_dtype,
+                                         reduction_axes=axis, feature_axes=axis)
+        query, key = norm("query_ln")(query), norm("key_ln")(key)
+      out_proj = _Projection(
+          (N, H), (out_features,), name="out", use_bias=self.use_bias,
+          param_dtype=self.param_dtype, kernel_init=self.out_kernel_init or self.kernel_init,
+          bias_init=self.out_bias_init or self.bias_init)
 
-    kv_lengths = lengths
-    if decode:
-      key, value, mask, is_causal, kv_lengths = self._decode(
-          self_attention, key, value, mask, is_causal, lengths)
-    dropout_rng = None
-    if self.dropout_rate > 0.0:
-      deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
-      if not deterministic:
-        dropout_rng = self.make_rng("dropout")
-    out = dot_product_attention(
-        query, key, value, mask=mask, is_causal=is_causal,
-        key_value_seq_lengths=kv_lengths, layout=_heads.HEADS_LAYOUT[layout],
-        implementation=self.implementation,
-        dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-        dropout_rng=dropout_rng)
-    return _heads.project_out(out, *out_proj(), **heads)
+      kv_lengths = lengths
+      if decode or self.decode:
+        key, value, mask, is_causal, kv_lengths = self._decode(
+            self_attention, key, value, mask, is_causal, lengths, per_row=decode)
+      if self.dropout_rate > 0.0:
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+        if not deterministic and dropout_rng is None:
+          dropout_rng = self.make_rng("dropout")
+        if deterministic:
+          dropout_rng = None
+      else:
+        dropout_rng = None
+      if self.attention_fn is not None:
+        out = self._flax_attention(query, key, value, mask, kv_lengths, dropout_rng,
+                                   sow_weights)
+      else:
+        out = dot_product_attention(
+            query, key, value, mask=mask, is_causal=is_causal,
+            key_value_seq_lengths=kv_lengths, layout=_heads.HEADS_LAYOUT[layout],
+            implementation=self.implementation,
+            dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
+            dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
+            return_weights=sow_weights)
+        if sow_weights:
+          out, weights = out
+          self.sow("intermediates", "attention_weights", weights)
+      out = _heads.project_out(out, *out_proj(), **heads)
+    return _heads.split_batch(out, batch)
 
-  def _decode(self, self_attention, key, value, mask, is_causal, lengths):
-    _kv_cache.check_call(self_attention, is_causal)
+  def _check_attributes(self):
+    _heads.check_deprecated(
+        qkv_dot_general=self.qkv_dot_general, out_dot_general=self.out_dot_general,
+        qkv_dot_general_cls=self.qkv_dot_general_cls,
+        out_dot_general_cls=self.out_dot_general_cls,
+        qk_attn_weights_einsum_cls=self.qk_attn_weights_einsum_cls,
+        attn_weights_value_einsum_cls=self.attn_weights_value_einsum_cls)
+    if not isinstance(self.force_fp32_for_softmax, bool):
+      raise TypeError(f"force_fp32_for_softmax must be a bool, got "
+                      f"{self.force_fp32_for_softmax!r}")
+    if self.attention_fn is not None and self.layout != "rows":
+      raise ValueError("attention_fn: flax's attention functions take [B, T, N, H], so "
+                       f"they need layout='rows', got layout={self.layout!r}")
+
+  def _flax_attention(self, query, key, value, mask, kv_lengths, dropout_rng, sow_weights):
+    """The user's attention_fn, called as flax.linen calls it: only the keywords
+    its signature names."""
+    if kv_lengths is not None:  # jattn's lengths, as a mask
+      S = key.shape[1]
+      valid = (jnp.arange(S)[None, :] < jnp.asarray(kv_lengths)[:, None])[:, None, None, :]
+      mask = valid if mask is None else jnp.logical_and(mask, valid)
+    kwargs = dict(mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+                  broadcast_dropout=self.broadcast_dropout,
+                  deterministic=dropout_rng is None, dtype=self.dtype,
+                  precision=self.precision,
+                  force_fp32_for_softmax=self.force_fp32_for_softmax)
+    named = inspect.signature(self.attention_fn).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in named}
+    if sow_weights:
+      kwargs["module"] = self
+    return self.attention_fn(query, key, value, **kwargs)
+
+  def _decode(self, self_attention, key, value, mask, is_causal, lengths, *, per_row):
+    """per_row: jattn's protocol (decode=True in the call): a position per batch
+    element. Otherwise flax's (the decode attribute): one scalar position."""
+    _kv_cache.check_call(self_attention, is_causal, per_row=per_row, lengths=lengths)
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
-    cache_index = self.variable("cache", "cache_index", jnp.zeros, (key.shape[0],), jnp.int32)
+    cache_index = self.variable(
+        "cache", "cache_index", jnp.zeros, (key.shape[0],) if per_row else (), jnp.int32)
     if not initialized:  # init: the inputs set the cache's shape; attend as a full pass
       return key, value, mask, is_causal, lengths
     axis = _heads.heads_token_axis(self.layout)
@@ -122,3 +234,8 @@ class MultiHeadAttention(nn.Module):
     cached_key.value, cached_value.value, cache_index.value = k, v, index
     mask = decode_mask if mask is None else jnp.logical_and(mask, decode_mask)
     return k, v, mask, False, None
+
+
+class MultiHeadDotProductAttention(MultiHeadAttention):
+  """flax.linen's name for the same module, so that a parent's auto-named
+  submodule ("MultiHeadDotProductAttention_0") keeps flax's parameter path."""

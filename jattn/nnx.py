@@ -2,147 +2,301 @@
 
 Its parameters have the names and shapes of flax.nnx.MultiHeadAttention
 (query/key/value kernel [F, N, H] (key/value [F, K, H]) and bias [N, H];
-out kernel [N, H, F] and bias [F]), so weights move between the two unchanged.
+out kernel [N, H, F] and bias [F]; query_ln/key_ln scale [H] with
+normalize_qk), so weights move between the two unchanged. It takes every
+argument of flax's, constructor and call, with flax's meaning.
 Inputs are [B, T, F] (layout="rows") or [B, F, T] (layout="columns").
 """
 
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import dtypes
 
 from jattn import _heads, _kv_cache
 from jattn._dot_product_attention import dot_product_attention
+from jattn._precision import matmul_precision
 
 default_kernel_init = nnx.initializers.lecun_normal()
+_NO_METADATA = MappingProxyType({})
 
 
 class _Projection(nnx.Module):
   """kernel [*in_shape, *out_shape] and bias [*out_shape], as nnx.LinearGeneral's."""
 
   def __init__(self, in_shape, out_shape, *, use_bias, param_dtype, kernel_init,
-               bias_init, rngs: nnx.Rngs):
+               bias_init, promote_dtype=dtypes.promote_dtype,
+               kernel_metadata=_NO_METADATA, bias_metadata=_NO_METADATA, rngs: nnx.Rngs):
     # initialised flat [prod(in), prod(out)], as LinearGeneral does, for the same fan-in
     flat = (math.prod(in_shape), math.prod(out_shape))
     kernel = kernel_init(rngs.params(), flat, param_dtype).reshape(in_shape + out_shape)
-    self.kernel = nnx.Param(kernel)
-    self.bias = (nnx.Param(bias_init(rngs.params(), out_shape, param_dtype))
+    self.kernel = nnx.Param(kernel, **kernel_metadata)
+    self.bias = (nnx.Param(bias_init(rngs.params(), out_shape, param_dtype), **bias_metadata)
                  if use_bias else nnx.data(None))
+    self.promote_dtype = promote_dtype
 
-  def arrays(self):
-    return self.kernel[...], (None if self.bias is None else self.bias[...])
+  def arrays(self, x, dtype):
+    """(x, kernel, bias) promoted to one dtype, as LinearGeneral does."""
+    bias = None if self.bias is None else self.bias[...]
+    return self.promote_dtype((x, self.kernel[...], bias), dtype=dtype)
 
 
 class MultiHeadAttention(nnx.Module):
   """Multi-head (and grouped-query) attention with optional KV-cache decoding.
 
-  Args:
-    num_heads: query heads N.
-    in_features: input features F.
-    qkv_features: N * H (default in_features); must be divisible by num_heads.
-    out_features: output features (default in_features).
-    num_kv_heads: key/value heads K (default N); N % K == 0.
-    dropout_rate: dropout on the attention weights, drawn independently for
-      every batch element and head from the module's `dropout` rng stream.
+  flax.nnx.MultiHeadAttention's arguments, with its meaning:
+    num_heads, in_features, qkv_features (default in_features), out_features
+      (default in_features), num_kv_heads (default num_heads), in_kv_features
+      (features of inputs_k/inputs_v, default in_features), dtype, param_dtype,
+      kernel_init / bias_init and out_kernel_init / out_bias_init (the output
+      projection's, default the former), use_bias, the *_metadata of the
+      parameters, normalize_qk (LayerNorm of each query and key head, params
+      query_ln/key_ln), qkv_promote_dtype / out_promote_dtype /
+      ln_promote_dtype, keep_rngs, rngs.
+    dropout_rate, deterministic, broadcast_dropout: dropout on the attention
+      weights from the `dropout` rng stream. broadcast_dropout=True shares one
+      draw across batch and heads, as flax's default; jattn's default (False)
+      draws each batch element and head independently.
+    precision: every matmul of the call (projections and attention) runs at it.
+    attention_fn: None for jattn.dot_product_attention; otherwise called as
+      flax calls it (query [B, T, N, H], key, value, mask=..., dropout_rng=...,
+      ..., module=..., is_causal=...), e.g. flax's own or
+      `jattn.flax_attention_fn`; layout="rows" only.
+    decode: default for the call's `decode` (see `init_cache`).
+    qkv_dot_general, out_dot_general, qkv_dot_general_cls, out_dot_general_cls
+      (deprecated in flax): a ValueError when given; the projections are einsums.
+  jattn's own:
     layout: "rows" (inputs [B, T, F]) or "columns" (inputs [B, F, T]).
     implementation: passed to jattn.dot_product_attention.
-    deterministic: default for the call's `deterministic` (no dropout).
   """
 
-  def __init__(self, num_heads: int, in_features: int, *, qkv_features=None,
-               out_features=None, num_kv_heads=None, dropout_rate: float = 0.0,
-               layout: str = "rows", implementation=None, use_bias: bool = True,
-               dtype=None, param_dtype=jnp.float32, deterministic=None,
-               kernel_init=default_kernel_init,
-               bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs):
+  def __init__(self, num_heads: int, in_features: int, qkv_features=None,
+               out_features=None, num_kv_heads=None, in_kv_features=None, *,
+               dtype=None, param_dtype=jnp.float32, broadcast_dropout: bool = False,
+               dropout_rate: float = 0.0, deterministic=None, precision=None,
+               kernel_init=default_kernel_init, out_kernel_init=None,
+               bias_init=nnx.initializers.zeros_init(), out_bias_init=None,
+               use_bias: bool = True, attention_fn=None, decode=None,
+               normalize_qk: bool = False,
+               qkv_promote_dtype=dtypes.promote_dtype,
+               out_promote_dtype=dtypes.promote_dtype,
+               ln_promote_dtype=dtypes.promote_dtype,
+               qkv_dot_general=None, out_dot_general=None,
+               qkv_dot_general_cls=None, out_dot_general_cls=None,
+               rngs: nnx.Rngs, keep_rngs: bool = True,
+               kernel_metadata=_NO_METADATA, out_kernel_metadata=_NO_METADATA,
+               bias_metadata=_NO_METADATA, out_bias_metadata=_NO_METADATA,
+               query_ln_scale_metadata=_NO_METADATA, key_ln_scale_metadata=_NO_METADATA,
+               layout: str = "rows", implementation=None):
+    _heads.check_deprecated(qkv_dot_general=qkv_dot_general,
+                            out_dot_general=out_dot_general,
+                            qkv_dot_general_cls=qkv_dot_general_cls,
+                            out_dot_general_cls=out_dot_general_cls)
     self.num_heads = num_heads
     self.in_features = in_features
     self.qkv_features = in_features if qkv_features is None else qkv_features
     self.out_features = in_features if out_features is None else out_features
+    self.in_kv_features = in_features if in_kv_features is None else in_kv_features
     self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     self.head_dim = _heads.check_heads(num_heads, self.qkv_features, self.num_kv_heads)
     if not 0.0 <= dropout_rate < 1.0:
       raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate!r}")
     self.dropout_rate = dropout_rate
+    self.broadcast_dropout = broadcast_dropout
     self.layout = _heads.check_layout(layout)
+    if attention_fn is not None and not callable(attention_fn):
+      raise ValueError(f"attention_fn must be callable or None, got {attention_fn!r}")
+    if attention_fn is not None and layout != "rows":
+      raise ValueError("attention_fn: flax's attention functions take [B, T, N, H], so "
+                       f"they need layout='rows', got layout={layout!r}")
+    matmul_precision(precision)  # a bad precision fails here, not at the first call
+    self.precision = precision
+    self.attention_fn = attention_fn
     self.implementation = implementation
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.deterministic = deterministic
+    self.decode = decode
+    self.normalize_qk = normalize_qk
 
-    N, K, H, F = num_heads, self.num_kv_heads, self.head_dim, in_features
+    N, K, H = num_heads, self.num_kv_heads, self.head_dim
     proj = dict(use_bias=use_bias, param_dtype=param_dtype, kernel_init=kernel_init,
-                bias_init=bias_init, rngs=rngs)
-    self.query = _Projection((F,), (N, H), **proj)
-    self.key = _Projection((F,), (K, H), **proj)
-    self.value = _Projection((F,), (K, H), **proj)
-    self.out = _Projection((N, H), (self.out_features,), **proj)
-    self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
+                bias_init=bias_init, promote_dtype=qkv_promote_dtype,
+                kernel_metadata=kernel_metadata, bias_metadata=bias_metadata, rngs=rngs)
+    self.query = _Projection((in_features,), (N, H), **proj)
+    self.key = _Projection((self.in_kv_features,), (K, H), **proj)
+    self.value = _Projection((self.in_kv_features,), (K, H), **proj)
+    if normalize_qk:  # over each head's H axis: the last in rows, [B, N, H, T] in columns
+      axis = -1 if layout == "rows" else -2
+      norm = lambda metadata: nnx.LayerNorm(
+          H, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+          promote_dtype=ln_promote_dtype, reduction_axes=axis, feature_axes=axis,
+          scale_metadata=metadata, rngs=rngs)
+      self.query_ln = norm(query_ln_scale_metadata)
+      self.key_ln = norm(key_ln_scale_metadata)
+    else:
+      self.query_ln = nnx.data(None)
+      self.key_ln = nnx.data(None)
+    self.out = _Projection(
+        (N, H), (self.out_features,), use_bias=use_bias, param_dtype=param_dtype,
+        kernel_init=out_kernel_init or kernel_init, bias_init=out_bias_init or bias_init,
+        promote_dtype=out_promote_dtype,
+        kernel_metadata=out_kernel_metadata or kernel_metadata,
+        bias_metadata=out_bias_metadata or bias_metadata, rngs=rngs)
+    self.rngs = (rngs.dropout.fork() if keep_rngs and dropout_rate > 0
+                 else nnx.data(None))
 
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
     self.cache_index = nnx.data(None)
 
-  def init_cache(self, batch_size: int, max_length: int, dtype=None) -> None:
-    """Empty caches for `decode=True`: keys/values [B, S, K, H] (rows) or
-    [B, K, H, S] (columns) with S = max_length, and a position per batch element."""
-    B, S, K, H = batch_size, max_length, self.num_kv_heads, self.head_dim
+  def init_cache(self, batch_size, max_length=None, dtype=None) -> None:
+    """Empty caches for decoding, by either protocol.
+
+    jattn's: init_cache(batch_size, max_length): a cache position per batch
+      element, so prompts of different lengths decode together (call with
+      is_causal=True, decode=True, lengths=...).
+    flax's: init_cache(input_shape, dtype=jnp.float32) with input_shape the
+      inputs' shape at full length ([B, max_length, F] for rows, [B, F,
+      max_length] for columns): one position for the batch, as flax.
+
+    Keys/values are cached as [B, S, K, H] (rows) or [B, K, H, S] (columns).
+    """
+    if isinstance(batch_size, (tuple, list)):  # flax's init_cache(input_shape, dtype)
+      if max_length is not None and dtype is None:
+        dtype, max_length = max_length, None
+      if max_length is not None or len(batch_size) < 2:
+        raise ValueError(f"init_cache: flax's form takes the inputs' shape [batch..., T, F] "
+                         f"(or [batch..., F, T] for columns) and a dtype, got "
+                         f"input_shape={batch_size!r}, then {max_length!r}")
+      # the batch axes merged into one, as the call merges them
+      B, S = math.prod(batch_size[:-2]), batch_size[_heads.token_axis(self.layout)]
+      index = jnp.array(0, jnp.int32)
+      dtype = dtype or jnp.float32
+    else:
+      if max_length is None:
+        raise ValueError("init_cache(batch_size, max_length) needs max_length "
+                         "(or flax's form, init_cache(input_shape))")
+      B, S = batch_size, max_length
+      index = jnp.zeros((B,), jnp.int32)
+      dtype = dtype or self.dtype or self.param_dtype
+    K, H = self.num_kv_heads, self.head_dim
     shape = (B, S, K, H) if self.layout == "rows" else (B, K, H, S)
-    dtype = dtype or self.dtype or self.param_dtype
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
-    self.cache_index = nnx.Cache(jnp.zeros((B,), jnp.int32))
+    self.cache_index = nnx.Cache(index)
 
-  def __call__(self, inputs_q, inputs_kv=None, *, mask=None, is_causal: bool = False,
-               deterministic=None, decode: bool = False, lengths=None,
-               sow_weights: bool = False):
+  def set_view(self, deterministic=None, decode=None, batch_size=None, max_length=None):
+    """For `nnx.view`, as flax's: sets deterministic and decode; with decode, an
+    empty cache of flax's kind when none exists (batch_size and max_length)."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+    if decode is not None:
+      self.decode = decode
+      if self.cache_index is None:
+        if batch_size is None or max_length is None:
+          raise TypeError("set_view: 'batch_size' and 'max_length' must be given to "
+                          "initialise the cache")
+        F = self.in_features
+        shape = (batch_size, max_length, F) if self.layout == "rows" else (
+            batch_size, F, max_length)
+        self.init_cache(shape, self.dtype)
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
+               mask=None, is_causal: bool = False, deterministic=None, rngs=None,
+               sow_weights: bool = False, decode=None, lengths=None,
+               out_sharding=None, qkv_sharding=None):
     """inputs [B, T, F] (rows) or [B, F, T] (columns) -> the same with out_features.
 
-    mask: bool, broadcastable to [B, N, T, S]. lengths: int [B], tokens past
-    lengths[b] are padding (their keys are masked out and, with decode=True,
-    they are not written to the cache). decode=True: self-attention over the
-    cache (call `init_cache` first): a prompt of any length, then one token at a
-    time; each batch element continues from its own position. Decoding is
-    causal, so it needs is_causal=True. sow_weights=True stores the attention
-    weights [B, N, T, S] as nnx.Intermediate 'attention_weights' (as flax's;
-    read them with nnx.capture).
+    inputs_k / inputs_v: keys and values come from inputs_q when both are None,
+    values from inputs_k when only inputs_v is None, as flax's; inputs_kv sets
+    both (older flax). mask: broadcastable to [B, N, T, S]; bool, or numeric
+    with nonzero = may attend (flax's float32 masks). rngs: an nnx.Rngs or
+    RngStream for dropout, instead of the module's. sow_weights=True stores the
+    attention weights [B, N, T, S] as nnx.Intermediate 'attention_weights'
+    (read them with nnx.capture). out_sharding / qkv_sharding: the shardings
+    of the output and of the projected q, k, v (in the module's layout).
+
+    decode (default: the constructor's): attention over the cache, after
+    `init_cache`. With jattn's cache (init_cache(batch_size, max_length)): a
+    prompt of any length with is_causal=True, lengths int [B] (tokens past
+    lengths[b] are padding, not cached), then one token at a time; each batch
+    element continues from its own position. With flax's cache
+    (init_cache(input_shape)): causal by construction, one position for the
+    batch, as flax. lengths (without decode): keys past lengths[b] are padding.
     """
     layout = self.layout
+    # any number of batch axes, as flax: merged into one here, split on the way out
+    batch = jnp.shape(inputs_q)[:-2]
+    inputs_q, inputs_k, inputs_v, inputs_kv = (
+        _heads.merge_batch(x, batch) for x in (inputs_q, inputs_k, inputs_v, inputs_kv))
+    mask = _heads.merge_mask_batch(mask, batch)
+    if lengths is not None and len(batch) != 1:
+      lengths = jnp.reshape(lengths, (-1,))
+    inputs_k, inputs_v, self_attention = _heads.key_value_inputs(
+        inputs_q, inputs_k, inputs_v, inputs_kv)
     inputs_q = _heads.check_inputs("inputs_q", inputs_q, self.in_features, layout)
-    self_attention = inputs_kv is None
-    if self_attention:
-      inputs_kv = inputs_q
-    else:
-      inputs_kv = _heads.check_inputs("inputs_kv", inputs_kv, self.in_features, layout)
-    proj = dict(layout=layout, dtype=self.dtype)
-    query = _heads.project_in(inputs_q, *self.query.arrays(), **proj)  # [B, T, N, H] | [B, N, H, T]
-    key = _heads.project_in(inputs_kv, *self.key.arrays(), **proj)  # [B, S, K, H] | [B, K, H, S]
-    value = _heads.project_in(inputs_kv, *self.value.arrays(), **proj)
-    B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]
-    S = inputs_kv.shape[_heads.token_axis(layout)]
-    start = (self.cache_index[...] if decode and self.cache_index is not None
-             else jnp.zeros((B,), jnp.int32))  # [B]: position of each row's first token
-    query, key = self.encode_positions(query, key, start[:, None] + jnp.arange(T),
-                                       start[:, None] + jnp.arange(S))
-    kv_lengths = lengths
-    if decode:
-      key, value, mask = self._decode(self_attention, key, value, mask,
-                                      is_causal, _kv_cache.check_lengths(lengths, B, T))
-      is_causal, kv_lengths = False, None
-    dropout_rng = self._dropout_rng(deterministic)
-    out = dot_product_attention(
-        query, key, value, mask=mask, is_causal=is_causal,
-        key_value_seq_lengths=kv_lengths, layout=_heads.HEADS_LAYOUT[layout],
-        implementation=self.implementation,
-        dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-        dropout_rng=dropout_rng, return_weights=sow_weights)
-    if sow_weights:
-      out, weights = out
-      self.sow(nnx.Intermediate, "attention_weights", weights)
-    return _heads.project_out(out, *self.out.arrays(), **proj)
+    if not self_attention:
+      inputs_k = _heads.check_inputs("inputs_k", inputs_k, self.in_kv_features, layout)
+      inputs_v = _heads.check_inputs("inputs_v", inputs_v, self.in_kv_features, layout)
+    mask = _heads.float_mask(mask)
+    decode = self.decode if decode is None else decode
+    with matmul_precision(self.precision):
+      query, key, value = (
+          _heads.project_in(*proj.arrays(x, self.dtype), layout=layout,
+                            out_sharding=qkv_sharding)  # [B, T, N, H] | [B, N, H, T]
+          for proj, x in ((self.query, inputs_q), (self.key, inputs_k),
+                          (self.value, inputs_v)))
+      if self.normalize_qk:
+        query, key = self.query_ln(query), self.key_ln(key)
+      B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]
+      S = inputs_k.shape[_heads.token_axis(layout)]
+      start = (jnp.broadcast_to(self.cache_index[...], (B,))
+               if decode and self.cache_index is not None
+               else jnp.zeros((B,), jnp.int32))  # [B]: position of each row's first token
+      query, key = self.encode_positions(query, key, start[:, None] + jnp.arange(T),
+                                         start[:, None] + jnp.arange(S))
+      kv_lengths = lengths
+      if decode:
+        key, value, mask = self._decode(self_attention, key, value, mask, is_causal,
+                                        lengths, T)
+        is_causal, kv_lengths = False, None
+      dropout_rng = self._dropout_rng(deterministic, rngs)
+      if self.attention_fn is not None:
+        out = self._flax_attention(query, key, value, mask, is_causal, kv_lengths,
+                                   dropout_rng, sow_weights)
+      else:
+        out = dot_product_attention(
+            query, key, value, mask=mask, is_causal=is_causal,
+            key_value_seq_lengths=kv_lengths, layout=_heads.HEADS_LAYOUT[layout],
+            implementation=self.implementation,
+            dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
+            dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
+            return_weights=sow_weights)
+        if sow_weights:
+          out, weights = out
+          self.sow(nnx.Intermediate, "attention_weights", weights)
+      out = _heads.project_out(*self.out.arrays(out, self.dtype), layout=layout,
+                               out_sharding=out_sharding)
+    return _heads.split_batch(out, batch)
+
+  def _flax_attention(self, query, key, value, mask, is_causal, kv_lengths, dropout_rng,
+                      sow_weights):
+    """The user's attention_fn, called as flax.nnx.MultiHeadAttention calls it."""
+    if kv_lengths is not None:  # jattn's lengths, as a mask flax's functions understand
+      S = key.shape[1]
+      valid = (jnp.arange(S)[None, :] < jnp.asarray(kv_lengths)[:, None])[:, None, None, :]
+      mask = valid if mask is None else jnp.logical_and(mask, valid)
+    return self.attention_fn(
+        query, key, value, mask=mask, dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+        deterministic=dropout_rng is None, dtype=self.dtype, precision=self.precision,
+        module=self if sow_weights else None, is_causal=is_causal)
 
   def encode_positions(self, query, key, query_positions, key_positions):
     """A hook for subclasses (e.g. rotary embeddings): the per-head query
@@ -152,29 +306,39 @@ class MultiHeadAttention(nnx.Module):
     del query_positions, key_positions
     return query, key
 
-  def _decode(self, self_attention, key, value, mask, is_causal, lengths):
+  def _decode(self, self_attention, key, value, mask, is_causal, lengths, T):
     if self.cache_index is None:
       raise ValueError("decode=True needs a cache: call init_cache(batch_size, "
-                       "max_length) first")
-    _kv_cache.check_call(self_attention, is_causal)
+                       "max_length), or flax's init_cache(input_shape), first")
+    per_row = self.cache_index.ndim == 1
+    _kv_cache.check_call(self_attention, is_causal, per_row=per_row, lengths=lengths)
     axis = _heads.heads_token_axis(self.layout)
     if key.shape[0] != self.cached_key.shape[0]:
       raise ValueError(f"decode: inputs batch B = {key.shape[0]} does not match the "
                        f"cache, shape {self.cached_key.shape}")
+    if key.shape[axis] != T:
+      raise ValueError(f"decode: queries and keys must be the same new tokens, got "
+                       f"T = {T} queries and {key.shape[axis]} keys")
     k, v, index, decode_mask = _kv_cache.step(
         self.cached_key[...], self.cached_value[...], self.cache_index[...],
-        key, value, lengths, token_axis=axis)
+        key, value, _kv_cache.check_lengths(lengths, key.shape[0], T), token_axis=axis)
     self.cached_key[...] = k
     self.cached_value[...] = v
     self.cache_index[...] = index
     mask = decode_mask if mask is None else jnp.logical_and(mask, decode_mask)
     return k, v, mask
 
-  def _dropout_rng(self, deterministic) -> jax.Array | None:
+  def _dropout_rng(self, deterministic, rngs) -> jax.Array | None:
     if self.dropout_rate == 0.0:
       return None
     deterministic = self.deterministic if deterministic is None else deterministic
     if deterministic is None:
       raise ValueError("dropout_rate > 0 needs `deterministic` (True: no dropout), "
                        "given to the call or the constructor")
-    return None if deterministic else self.rngs()
+    if deterministic:
+      return None
+    stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs or self.rngs)
+    if stream is None:
+      raise ValueError("rngs: with keep_rngs=False the module holds no dropout rng; "
+                       "pass rngs= to the call")
+    return stream()

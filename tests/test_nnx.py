@@ -142,6 +142,6 @@ def test_bad_arguments_name_themselves():
                                        r"\[B, F, T\], got shape \(2, 5, 16\)"):
     m(_x((B, T, F), 0))
   with pytest.raises(ValueError, match=r"inputs_q: expected rank 3"):
-    m(_x((F, T), 0))
+    m(_x((F,), 0))  # (as flax, [F, T] is one unbatched sequence)
   with pytest.raises(ValueError, match="init_cache"):
     m(_x((B, F, T), 0), is_causal=True, decode=True)

@@ -23,7 +23,7 @@ def test_ring_attention_matches_single_device_values_and_gradients():
   print(result.stdout)
   assert result.returncode == 0, result.stdout + result.stderr
   assert "FAIL" not in result.stdout
-  assert result.stdout.count("ok  ") == 10
+  assert result.stdout.count("ok  ") == 11
 
 
 def test_ring_without_a_mesh_says_how_to_set_one():

@@ -87,6 +87,17 @@ def main():
     ref = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="xla", **kwargs)
     ok &= check("implementation='ring' in jit, mesh from jax.set_mesh", ring, ref, (q, k, v))
 
+  # return_residual: the lse [B, T, N] comes home from the zig-zag and the sharded heads
+  _, lse = jattn.ring_attention(q, k, v, mesh=cube, axis_name="seq", batch_axis_name="data",
+                                head_axis_name="model", is_causal=True, return_residual=True,
+                                **lengths)
+  _, want = jattn.dot_product_attention(q, k, v, implementation="xla", is_causal=True,
+                                        return_residual=True, **lengths)
+  error = np.max(np.abs(np.asarray(lse) - np.asarray(want)) / np.maximum(1, np.abs(want)))
+  good = lse.shape == want.shape and error <= ATOL
+  print(f"{'ok  ' if good else 'FAIL'} return_residual on the 2x2x2 mesh: {error:.1e}")
+  ok &= good
+
   try:
     jattn.ring_attention(q[:, :12], k[:, :12], v[:, :12], mesh=seq, is_causal=True)
     print("FAIL indivisible length raised nothing")
