@@ -153,7 +153,8 @@ def dot_product_attention(
         dropout_rate=dropout_rate, return_weights=return_weights, block_sizes=block_sizes,
         scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids, layout=layout)
+        kv_segment_ids=kv_segment_ids, layout=layout, mask_mod=mask_mod,
+        score_mod=score_mod, sinks=sinks, block_mask=block_mask)
   query = _checks.float_array("query", query)
   key = _checks.float_array("key", key)
   value = _checks.float_array("value", value)

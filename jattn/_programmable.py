@@ -89,7 +89,10 @@ def _check_arity(name: str, fn, arity: int, call: str) -> None:
 def _trace(name: str, fn, args, call: str, want: str):
   """fn traced on scalar avals -> ClosedJaxpr, checking it returns one `want` scalar."""
   try:
-    closed = jax.make_jaxpr(fn)(*args)
+    # Traced with no mesh in context: the jaxpr is later evaluated on any
+    # device, also inside shard_map (ring), whose mesh axes are manual there.
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+      closed = jax.make_jaxpr(fn)(*args)
   except Exception as e:  # the user's function: say which argument failed, keep the cause
     raise TypeError(f"{name} failed when called {call} on int32 scalars: "
                     f"{type(e).__name__}: {e}") from e

@@ -63,10 +63,12 @@ class MultiHeadAttention(nn.Module):
   deterministic: bool | None = None
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
+  use_sinks: bool = False  # a learned `sinks` [N] parameter (zeros at init)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv=None, *, mask=None, is_causal: bool = False,
-               deterministic=None, decode: bool = False, lengths=None):
+               deterministic=None, decode: bool = False, lengths=None, mask_mod=None,
+               score_mod=None):
     layout = _heads.check_layout(self.layout)
     F = jnp.shape(inputs_q)[_heads.feature_axis(layout)] if jnp.ndim(inputs_q) == 3 else -1
     inputs_q = _heads.check_inputs("inputs_q", inputs_q, F, layout)
@@ -89,10 +91,13 @@ class MultiHeadAttention(nn.Module):
     value = _heads.project_in(inputs_kv, *_Projection((F,), (K, H), name="value", **proj)(), **heads)
     out_proj = _Projection((N, H), (out_features,), name="out", **proj)
 
+    sinks = (self.param("sinks", nn.initializers.zeros_init(), (N,), self.param_dtype)
+             if self.use_sinks else None)
     kv_lengths = lengths
     if decode:
-      key, value, mask, is_causal, kv_lengths = self._decode(
+      key, value, mask, is_causal, kv_lengths, start = self._decode(
           self_attention, key, value, mask, is_causal, lengths)
+      mask_mod, score_mod = _kv_cache.mods_from_positions(start, mask_mod, score_mod)
     dropout_rng = None
     if self.dropout_rate > 0.0:
       deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
@@ -103,7 +108,7 @@ class MultiHeadAttention(nn.Module):
         key_value_seq_lengths=kv_lengths, layout=_heads.HEADS_LAYOUT[layout],
         implementation=self.implementation,
         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-        dropout_rng=dropout_rng)
+        dropout_rng=dropout_rng, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks)
     return _heads.project_out(out, *out_proj(), **heads)
 
   def _decode(self, self_attention, key, value, mask, is_causal, lengths):
@@ -112,8 +117,9 @@ class MultiHeadAttention(nn.Module):
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     cache_index = self.variable("cache", "cache_index", jnp.zeros, (key.shape[0],), jnp.int32)
+    start = cache_index.value  # [B]: the position of each row's first query
     if not initialized:  # init: the inputs set the cache's shape; attend as a full pass
-      return key, value, mask, is_causal, lengths
+      return key, value, mask, is_causal, lengths, start
     axis = _heads.heads_token_axis(self.layout)
     T = key.shape[axis]
     k, v, index, decode_mask = _kv_cache.step(
@@ -121,4 +127,4 @@ class MultiHeadAttention(nn.Module):
         _kv_cache.check_lengths(lengths, key.shape[0], T), token_axis=axis)
     cached_key.value, cached_value.value, cache_index.value = k, v, index
     mask = decode_mask if mask is None else jnp.logical_and(mask, decode_mask)
-    return k, v, mask, False, None
+    return k, v, mask, False, None, start

@@ -50,6 +50,8 @@ class MultiHeadAttention(nnx.Module):
     layout: "rows" (inputs [B, T, F]) or "columns" (inputs [B, F, T]).
     implementation: passed to jattn.dot_product_attention.
     deterministic: default for the call's `deterministic` (no dropout).
+    use_sinks: a learned attention sink per query head, the parameter
+      `sinks` [N] (zeros at init); see `dot_product_attention(sinks=)`.
   """
 
   def __init__(self, num_heads: int, in_features: int, *, qkv_features=None,
@@ -57,7 +59,8 @@ class MultiHeadAttention(nnx.Module):
                layout: str = "rows", implementation=None, use_bias: bool = True,
                dtype=None, param_dtype=jnp.float32, deterministic=None,
                kernel_init=default_kernel_init,
-               bias_init=nnx.initializers.zeros_init(), rngs: nnx.Rngs):
+               bias_init=nnx.initializers.zeros_init(), use_sinks: bool = False,
+               rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.in_features = in_features
     self.qkv_features = in_features if qkv_features is None else qkv_features
@@ -81,6 +84,7 @@ class MultiHeadAttention(nnx.Module):
     self.value = _Projection((F,), (K, H), **proj)
     self.out = _Projection((N, H), (self.out_features,), **proj)
     self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
+    self.sinks = nnx.Param(jnp.zeros((N,), param_dtype)) if use_sinks else nnx.data(None)
 
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
@@ -98,7 +102,7 @@ class MultiHeadAttention(nnx.Module):
 
   def __call__(self, inputs_q, inputs_kv=None, *, mask=None, is_causal: bool = False,
                deterministic=None, decode: bool = False, lengths=None,
-               sow_weights: bool = False):
+               sow_weights: bool = False, mask_mod=None, score_mod=None):
     """inputs [B, T, F] (rows) or [B, F, T] (columns) -> the same with out_features.
 
     mask: bool, broadcastable to [B, N, T, S]. lengths: int [B], tokens past
@@ -108,7 +112,9 @@ class MultiHeadAttention(nnx.Module):
     time; each batch element continues from its own position. Decoding is
     causal, so it needs is_causal=True. sow_weights=True stores the attention
     weights [B, N, T, S] as nnx.Intermediate 'attention_weights' (as flax's;
-    read them with nnx.capture).
+    read them with nnx.capture). mask_mod / score_mod: as
+    `dot_product_attention`'s; with decode=True they see each query's
+    position in the cache.
     """
     layout = self.layout
     inputs_q = _heads.check_inputs("inputs_q", inputs_q, self.in_features, layout)
@@ -132,13 +138,15 @@ class MultiHeadAttention(nnx.Module):
       key, value, mask = self._decode(self_attention, key, value, mask,
                                       is_causal, _kv_cache.check_lengths(lengths, B, T))
       is_causal, kv_lengths = False, None
+      mask_mod, score_mod = _kv_cache.mods_from_positions(start, mask_mod, score_mod)
     dropout_rng = self._dropout_rng(deterministic)
     out = dot_product_attention(
         query, key, value, mask=mask, is_causal=is_causal,
         key_value_seq_lengths=kv_lengths, layout=_heads.HEADS_LAYOUT[layout],
         implementation=self.implementation,
         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-        dropout_rng=dropout_rng, return_weights=sow_weights)
+        dropout_rng=dropout_rng, return_weights=sow_weights, mask_mod=mask_mod,
+        score_mod=score_mod, sinks=None if self.sinks is None else self.sinks[...])
     if sow_weights:
       out, weights = out
       self.sow(nnx.Intermediate, "attention_weights", weights)

@@ -31,7 +31,7 @@ def dense_classes(allowed, bq, bk):
   return out
 
 
-@pytest.mark.parametrize("sizes", [(4, 3), (5, 7), (13, 11)])
+@pytest.mark.parametrize("sizes", [(4, 3), (5, 7)])
 @pytest.mark.parametrize("name", ["causal", "document", "per_head", "or_masks", "prefix_lm"])
 def test_classes_match_dense_numpy(name, sizes):
   mask_mod, allowed = MASKS[name]

@@ -82,22 +82,29 @@ def reference(q, k, v, *, allowed=None, score=None, sinks=None, scale=None, bias
   return np.einsum("BNTS,BSND->BTND", w, vv), w
 
 
+def _tiered(names, impls, default):
+  """(name, impl) pairs; those not in `default` go to the thorough tier (compile time)."""
+  return [pytest.param(n, i, marks=() if (n, i) in default or i == "xla"
+                       else pytest.mark.thorough) for n in names for i in impls]
+
+
 def attention(impl, q=Q, k=KEY, v=V, **kwargs):
   if impl == "blockwise":
     kwargs.setdefault("block_sizes", BS)
   return jattn.dot_product_attention(q, k, v, implementation=impl, **kwargs)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", sorted(MASKS))
+@pytest.mark.parametrize("name,impl", _tiered(sorted(MASKS), IMPLS, {
+    ("per_head", "blockwise"), ("document", "blockwise"), ("or_masks", "blockwise"),
+    ("per_head", "vmap")}))
 def test_mask_mods_match_reference(impl, name):
   mask_mod, allowed = MASKS[name]
   out = attention(impl, mask_mod=mask_mod)
   np.testing.assert_allclose(out, reference(Q, KEY, V, allowed=allowed)[0], **TOL)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", sorted(SCORES))
+@pytest.mark.parametrize("name,impl", _tiered(sorted(SCORES), IMPLS, {
+    ("relative_bias", "blockwise"), ("alibi", "vmap")}))
 def test_score_mods_match_reference(impl, name):
   score_mod, score = SCORES[name]
   out = attention(impl, score_mod=score_mod, mask_mod=mods.causal())
@@ -130,8 +137,8 @@ def test_return_weights_with_mods(impl):
   np.testing.assert_allclose(w, ref_w, **TOL)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("layout", ["BNHT", "TNH"])
+@pytest.mark.parametrize("layout,impl", _tiered(["BNHT", "TNH"], IMPLS, {
+    ("BNHT", "blockwise"), ("TNH", "vmap")}))
 def test_layouts(impl, layout):
   to = lambda x: jnp.einsum(f"BTNH->{layout if 'B' in layout else 'B' + layout}", x)
   q, k, v = (to(x) for x in (Q, KEY, V))
@@ -145,7 +152,8 @@ def test_layouts(impl, layout):
   np.testing.assert_allclose(out, ref if "B" in layout else ref[0], **TOL)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["xla", pytest.param("vmap", marks=pytest.mark.thorough),
+                                  "blockwise"])
 def test_mods_equal_the_builtins_they_mirror(impl):
   pairs = [(dict(mask_mod=mods.causal()), dict(is_causal=True)),
            (dict(mask_mod=mods.sliding_window(3, 2)), dict(local_window_size=(3, 2))),
