@@ -98,6 +98,8 @@ def classify(mods, B: int, N: int, T: int, S: int, bq: int, bk: int, q_offset=0,
   T queries from global position q_offset, S keys from kv_offset (a ring's ranges).
   """
   nq, nk = -(-T // bq), -(-S // bk)
+  B_all, N_all = B, N
+  B, N = (B if mods.mask_uses(0) else 1), (N if mods.mask_uses(1) else 1)
   c = max(1, min(nk, _ENTRIES_PER_STEP // (B * N * bq * bk)))  # key blocks per step
   groups = -(-nk // c)
   entry = lambda i: mods.mask(i["B"], i["N"], i["T"], i["S"])
@@ -122,7 +124,8 @@ def classify(mods, B: int, N: int, T: int, S: int, bq: int, bk: int, q_offset=0,
     return jnp.moveaxis(per_group, 0, 2).reshape(B, N, groups * c)[..., :nk]
 
   per_row = lax.map(row, jnp.arange(nq))  # [nq, B, N, nk]
-  return jnp.moveaxis(per_row, 0, 2)
+  classes = jnp.moveaxis(per_row, 0, 2)
+  return jnp.broadcast_to(classes, (B_all, N_all) + classes.shape[2:])
 
 
 def check_block_mask(block_mask, *, B: int, N: int, T: int, S: int,

@@ -402,10 +402,16 @@ class _Grid:
     return on_grid(entry, "BKGTS", self._block_index(i, j), x)
 
   def mask_mod_block(self, i, j):
-    """bool [B, K, G, bq, bk]: mask_mod on block (i, j)."""
+    """bool [B|1, K|1, G|1, bq, bk]: mask_mod on block (i, j), once for all batch
+    rows (heads) when it does not read b (n)."""
     G = self.G
     entry = lambda at: self.mods.mask(at["B"], at["K"] * G + at["G"], at["T"], at["S"])
-    return on_grid(entry, "BKGTS", self._block_index(i, j))
+    index = self._block_index(i, j)
+    if not self.mods.mask_uses(0):
+      index["B"] = index["B"][:1]
+    if not self.mods.mask_uses(1):
+      index["K"], index["G"] = index["K"][:1], index["G"][:1]
+    return on_grid(entry, "BKGTS", index)
 
   def to_block(self, x):
     """[B, K, R, bk] -> [B, K, G, bq, bk]."""

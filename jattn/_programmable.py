@@ -58,6 +58,16 @@ class Mods:
   def has_score(self) -> bool:
     return self.score_jaxpr is not None
 
+  def mask_uses(self, argument: int) -> bool:
+    """Whether mask_mod reads its argument number `argument` (0 b, 1 n, 2 t, 3 s).
+
+    A mask that reads neither b nor n is evaluated once for every batch row
+    and head instead of per row and head.
+    """
+    var = self.mask_jaxpr.invars[argument]
+    return (any(any(v is var for v in eqn.invars) for eqn in self.mask_jaxpr.eqns)
+            or any(v is var for v in self.mask_jaxpr.outvars))
+
   def mask(self, b, n, t, s):
     """mask_mod(b, n, t, s) -> bool scalar."""
     return jax.core.eval_jaxpr(self.mask_jaxpr, self.mask_consts, b, n, t, s)[0]

@@ -212,3 +212,28 @@ def test_sinks_must_be_one_per_head():
 def test_cudnn_refuses_naming_the_argument():
   with raises(ValueError, "cudnn.*score_mod, sinks"):
     attention("cudnn", score_mod=mods.soft_cap(1.0), sinks=SINKS)
+
+
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_dropout_with_mods_equals_dropout_with_the_builtin(impl):
+  """The same rng draws the same keep mask: mods change only what they should."""
+  kw = dict(dropout_rate=0.3, dropout_rng=jax.random.key(4))
+  with_mod = attention(impl, mask_mod=mods.causal(), **kw)
+  builtin = attention(impl, is_causal=True, **kw)
+  np.testing.assert_allclose(with_mod, builtin, rtol=1e-6, atol=1e-6)
+  assert float(jnp.abs(with_mod - attention(impl, is_causal=True)).max()) > 1e-2
+
+
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.thorough),
+                                  pytest.param("vmap", marks=pytest.mark.thorough),
+                                  "blockwise"])
+def test_bfloat16_with_mods_and_sinks(impl):
+  """bf16 inputs: logits, mods and softmax in float32, output within bf16 rounding."""
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (Q, KEY, V))
+  out = attention(impl, q, k, v, mask_mod=MASKS["per_head"][0], score_mod=mods.soft_cap(2.0),
+                  sinks=SINKS)
+  assert out.dtype == jnp.bfloat16
+  ref, _ = reference(*(np.asarray(x, np.float32) for x in (q, k, v)),
+                     allowed=MASKS["per_head"][1], sinks=SINKS,
+                     score=lambda l: 2.0 * np.tanh(l / 2.0))
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=2e-2, atol=2e-2)
