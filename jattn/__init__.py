@@ -16,6 +16,7 @@ Letters used in every shape and einsum string:
 
 from jattn._attend import attend
 from jattn._attention import attention, project_qkv
+from jattn._block_mask import BlockMask, create_block_mask
 from jattn._block_sizes import BlockSizes
 from jattn._dot_product_attention import dot_product_attention
 from jattn._flax_attention_fn import flax_attention_fn
@@ -24,11 +25,13 @@ from jattn._masks import (causal_mask, combine_masks, local_mask, padding_mask,
 from jattn._ring_attention import ring_attention
 
 __all__ = [
+    "BlockMask",
     "BlockSizes",
     "attend",
     "attention",
     "causal_mask",
     "combine_masks",
+    "create_block_mask",
     "dot_product_attention",
     "flax_attention_fn",
     "local_mask",
@@ -40,4 +43,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 # The Flax modules and the sharding rules, after the core they build on.
-from jattn import linen, nnx, sharding  # noqa: E402
+from jattn import linen, mods, nnx, sharding  # noqa: E402

@@ -16,10 +16,14 @@ def default_scale(depth: int) -> float:
   return 1.0 / math.sqrt(depth)
 
 
-def attend_with_weights(q, k, v, mask, bias, keep, scale):
+def attend_with_weights(q, k, v, mask, bias, keep, scale, t=None, *, score=None,
+                        sink=None):
   """`attend` with arrays positional, so `jax.vmap` can address each of them.
 
   keep: optional float [S] of dropout multipliers (0 or 1 / (1 - rate)).
+  score: optional score_mod of one head, score(logit, t, s) -> logit, with t
+  this query's position and s each key's. sink: optional float scalar, the
+  logit of a key with no value (attention sink).
   Returns (out [D], weights [S]); weights are taken before dropout.
   """
   dtype = logits_dtype(q.dtype)
@@ -27,7 +31,11 @@ def attend_with_weights(q, k, v, mask, bias, keep, scale):
   logits = jnp.einsum("H,SH->S", q, k, preferred_element_type=dtype) * scale
   if bias is not None:
     logits = logits + bias.astype(dtype)
-  weights = masked_softmax(logits, mask, axis=-1)
+  if score is not None:
+    positions = jnp.arange(k.shape[0], dtype=jnp.int32)
+    logits = jax.vmap(score, in_axes=(0, None, 0))(logits, t, positions)
+  sink = None if sink is None else jnp.reshape(sink, (1,)).astype(dtype)
+  weights = masked_softmax(logits, mask, axis=-1, sinks=sink)
   used = weights if keep is None else weights * keep.astype(dtype)
   out = jnp.einsum("S,SD->D", used.astype(v.dtype), v,
                    preferred_element_type=dtype)

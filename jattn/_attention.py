@@ -12,19 +12,20 @@ from jattn._softmax import logits_dtype, masked_softmax
 LAYOUTS = ("rows", "columns")
 
 
-def _rows(q, k, v, mask, bias, keep, scale):
+def _rows(q, k, v, mask, bias, keep, scale, score=None, sink=None):
   """softmax(Q K^T * scale) V: q [T, H], k [S, H], v [S, D] -> [T, D], weights [T, S].
 
   Literally the vector version mapped over the queries.
   """
   per_query = lambda a: None if a is None else 0
+  attend = lambda *a: attend_with_weights(*a, score=score, sink=sink)
   return jax.vmap(
-      attend_with_weights,
-      in_axes=(0, None, None, per_query(mask), per_query(bias), per_query(keep), None),
-  )(q, k, v, mask, bias, keep, scale)
+      attend,
+      in_axes=(0, None, None, per_query(mask), per_query(bias), per_query(keep), None, 0),
+  )(q, k, v, mask, bias, keep, scale, jnp.arange(q.shape[0], dtype=jnp.int32))
 
 
-def _columns(q, k, v, mask, bias, keep, scale):
+def _columns(q, k, v, mask, bias, keep, scale, score=None, sink=None):
   """V softmax(K^T Q * scale): q [H, T], k [H, S], v [D, S] -> [D, T], weights [S, T].
 
   Each column of the logits is one query, so the softmax runs over axis 0.
@@ -34,7 +35,13 @@ def _columns(q, k, v, mask, bias, keep, scale):
   logits = jnp.einsum("HS,HT->ST", k, q, preferred_element_type=dtype) * scale
   if bias is not None:
     logits = logits + bias.astype(dtype)
-  weights = masked_softmax(logits, mask, axis=0)
+  if score is not None:  # logits [S, T]: keys s down, queries t across
+    positions = lambda n: jnp.arange(n, dtype=jnp.int32)
+    per_key = jax.vmap(score, in_axes=(0, None, 0))
+    logits = jax.vmap(per_key, in_axes=(1, 0, None), out_axes=1)(
+        logits, positions(logits.shape[1]), positions(logits.shape[0]))
+  sink = None if sink is None else jnp.reshape(sink, (1, 1)).astype(dtype)
+  weights = masked_softmax(logits, mask, axis=0, sinks=sink)
   used = weights if keep is None else weights * keep.astype(dtype)
   # out [D, T] = V W
   out = jnp.einsum("DS,ST->DT", v, used.astype(v.dtype),
@@ -42,10 +49,14 @@ def _columns(q, k, v, mask, bias, keep, scale):
   return out.astype(v.dtype), weights
 
 
-def attention_with_weights(q, k, v, mask, bias, keep, scale, layout):
-  """Positional-array form of `attention`, returning (out, weights); no checks."""
+def attention_with_weights(q, k, v, mask, bias, keep, scale, layout, *, score=None,
+                           sink=None):
+  """Positional-array form of `attention`, returning (out, weights); no checks.
+
+  score(logit, t, s) -> logit and sink (a float scalar): see `attend_with_weights`.
+  """
   single_head = _rows if layout == "rows" else _columns
-  return single_head(q, k, v, mask, bias, keep, scale)
+  return single_head(q, k, v, mask, bias, keep, scale, score, sink)
 
 
 def attention(q, k, v, *, mask=None, bias=None, scale=None, layout="rows",

@@ -51,6 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn import _block_plan
+from jattn._block_mask import EMPTY, FULL, PARTIAL, classify
+from jattn._programmable import on_grid
 from jattn._block_sizes import BlockSizes
 from jattn._dense import Dropout
 from jattn._layout import Layout
@@ -94,7 +96,7 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
     lo, hi, vis_lo, vis_hi = _block_plan.kv_blocks(
         g.spec, q_first, q_last, g.kv_offset, g.S, g.bk)
 
-    def step(masked):
+    def step(masked, with_mod=True):
       def body(j, carry):
         m, l, o, n = carry
         # s [B, K, R, bk]: the scaled logits (qb carries the scale) plus bias
@@ -102,7 +104,9 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
                        preferred_element_type=g.acc)
         if g.bias is not None:
           s = s + g.rows(g.bias_block(i, j)).astype(g.acc)
-        keep = g.rows(g.mask(i, j)) if masked else None
+        if g.has_score:
+          s = g.from_block(g.score_block(g.to_block(s), i, j))
+        keep = g.rows(g.mask(i, j, with_mod)) if masked else None
         s = s if keep is None else jnp.where(keep, s, LARGE_NEGATIVE)
         m_new = jnp.maximum(m, s.max(axis=-1))
         shift = m_new
@@ -124,9 +128,15 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
     rows = (g.B, g.K, g.R)
     carry = (jnp.full(rows, LARGE_NEGATIVE, g.acc), jnp.zeros(rows, g.acc),
              jnp.zeros(rows + (D,), g.acc), count)
-    carry = lax.fori_loop(lo, vis_lo, step(True), carry)
-    carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
-    m, l, o, count = lax.fori_loop(vis_hi, hi, step(True), carry)
+    if g.classes is None:
+      carry = lax.fori_loop(lo, vis_lo, step(True), carry)
+      carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
+      m, l, o, count = lax.fori_loop(vis_hi, hi, step(True), carry)
+    else:  # the mask_mod's classes: full blocks first (no mask_mod), then partial
+      order, n_full, n_some = _by_class(
+          jnp.minimum(g.classes[i], _plan_classes(g, g.nk, lo, hi, vis_lo, vis_hi)))
+      carry = lax.fori_loop(0, n_full, _gathered(step(g.needs_mask, False), order), carry)
+      m, l, o, count = lax.fori_loop(n_full, n_some, _gathered(step(True), order), carry)
     seen = l > 0.0
     o = o / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
@@ -143,7 +153,17 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
 def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | None,
              scale, layout: Layout, q_offset, kv_offset, block_sizes: BlockSizes,
              out, lse, d_out):
-  """Gradients of one range pair's share; see the module docstring.
+  """Gradients of one range pair's share; see the module docstring."""
+  return backward_with_score_grads(
+      query, key, value, bias, mask, spec, dropout, scale, layout, q_offset, kv_offset,
+      block_sizes, out, lse, d_out)[:4]
+
+
+def backward_with_score_grads(query, key, value, bias, mask, spec: MaskSpec,
+                              dropout: Dropout | None, scale, layout: Layout, q_offset,
+                              kv_offset, block_sizes: BlockSizes, out, lse, d_out):
+  """`backward`, and the gradients of the arrays score_mod captured (a tuple:
+  float32 for the floating ones, None for the others; () without score_mod).
 
   Each block is computed transposed, keys by rows (s^T = K Q^T), so that the
   products summed over rows (dV = P^T dO, dK = dS^T Q) and dQ^T = K^T dS^T
@@ -167,7 +187,7 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
   over_keys = lambda x: x[:, :, None, :]  # per-row [B, K, R] against [B, K, bk, R]
 
   def kv_block(carry, j):
-    dq_t, d_bias = carry
+    dq_t, d_bias, d_consts = carry
     kb, kb_t, vb = _at(k_rows, j), _at(k_cols, j), _at(v_rows, j)
     kv_first = g.kv_offset + j * g.bk
     kv_last = jnp.minimum(kv_first + g.bk, g.kv_offset + g.S) - 1
@@ -177,16 +197,20 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
     padded = (j + 1) * g.bk > g.S
     vis_lo, vis_hi = jnp.where(padded, hi, vis_lo), jnp.where(padded, hi, vis_hi)
 
-    def step(masked):
+    def step(masked, with_mod=True):
       def body(i, carry):
-        dq_t, d_bias, dk, dv = carry
+        dq_t, d_bias, d_consts, dk, dv = carry
         s_t = jnp.einsum(f"BKSH,BKHR->{_LOGITS_T}", kb, _at(q_cols, i),
                          preferred_element_type=g.acc)  # q carries the scale
         if g.bias is not None:
           s_t = s_t + g.cols(g.bias_block(i, j)).astype(g.acc)
+        if g.has_score:  # keys by rows -> the [B, K, G, bq, bk] block and back
+          score = lambda x, c: g.score_block(x, i, j, c)
+          s_mod, pullback = jax.vjp(score, g.to_block(jnp.swapaxes(s_t, 2, 3)), g.float_consts)
+          s_t = jnp.swapaxes(g.from_block(s_mod), 2, 3)
         p_t = jnp.exp(s_t - over_keys(_at(lse, i)))  # the final weights, transposed
         if masked:
-          p_t = jnp.where(g.cols(g.mask(i, j)), p_t, 0.0)
+          p_t = jnp.where(g.cols(g.mask(i, j, with_mod)), p_t, 0.0)
         dp_t = jnp.einsum(f"BKSD,BKDR->{_LOGITS_T}", vb, _at(do_cols, i),
                           preferred_element_type=g.acc)
         used_t = p_t
@@ -196,6 +220,10 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
         dv = dv + jnp.einsum(f"{_LOGITS_T},BKRD->BKSD", used_t.astype(g.dtype),
                              _at(do_rows, i), preferred_element_type=g.acc)
         ds_t = p_t * (dp_t - over_keys(_at(delta, i)))  # d logits, before the scale
+        if g.has_score:  # through score_mod: d of its input logits, d of its arrays
+          ds_block, d_c = pullback(g.to_block(jnp.swapaxes(ds_t, 2, 3)))
+          ds_t = jnp.swapaxes(g.from_block(ds_block), 2, 3)
+          d_consts = jax.tree.map(jnp.add, d_consts, d_c)
         if d_bias is not None:
           d_bias = g.add_bias_grad(d_bias, ds_t, i, j)
         ds_t = ds_t.astype(g.dtype)
@@ -204,26 +232,52 @@ def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | N
         dq_i = jnp.einsum(f"BKHS,{_LOGITS_T}->BKHR", kb_t, ds_t,
                           preferred_element_type=g.acc) * jnp.asarray(scale, g.acc)
         dq_t = lax.dynamic_update_index_in_dim(dq_t, _at(dq_t, i) + dq_i, i, 0)
-        return dq_t, d_bias, dk, dv
+        return dq_t, d_bias, d_consts, dk, dv
       return g.skip_unless_segments_meet(body, j, kv_outer=True)
 
-    carry = (dq_t, d_bias, jnp.zeros((g.B, g.K, g.bk, H), g.acc),
+    carry = (dq_t, d_bias, d_consts, jnp.zeros((g.B, g.K, g.bk, H), g.acc),
              jnp.zeros(vb.shape, g.acc))
-    carry = lax.fori_loop(lo, vis_lo, step(True), carry)
-    carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
-    dq_t, d_bias, dk, dv = lax.fori_loop(vis_hi, hi, step(True), carry)
-    return (dq_t, d_bias), (dk, dv)
+    if g.classes is None:
+      carry = lax.fori_loop(lo, vis_lo, step(True), carry)
+      carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
+      dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(vis_hi, hi, step(True), carry)
+    else:
+      order, n_full, n_some = _by_class(
+          jnp.minimum(g.classes[:, j], _plan_classes(g, g.nq, lo, hi, vis_lo, vis_hi)))
+      carry = lax.fori_loop(0, n_full, _gathered(step(g.needs_mask, False), order), carry)
+      dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(
+          n_full, n_some, _gathered(step(True), order), carry)
+    return (dq_t, d_bias, d_consts), (dk, dv)
 
   d_bias0 = None if g.bias is None else jnp.zeros(g.bias.shape, g.acc)
   dq_t0 = jnp.zeros((g.nq, g.B, g.K, H, g.R), g.acc)
-  (dq_t, d_bias), (dk, dv) = lax.scan(kv_block, (dq_t0, d_bias0),
-                                      jnp.arange(g.nk, dtype=jnp.int32))
+  d_consts0 = jax.tree.map(jnp.zeros_like, g.float_consts)
+  (dq_t, d_bias, d_consts), (dk, dv) = lax.scan(
+      kv_block, (dq_t0, d_bias0, d_consts0), jnp.arange(g.nk, dtype=jnp.int32))
   d_query = g.ungroup(g.from_row_blocks(dq_t, "BKHR", g.q_sub), g.q_sub)
   d_key, d_value = (_unblock(x, f"JBKS{c}", sub, g.S) for x, sub, c in (
       (dk, g.k_sub, "H"), (dv, g.v_sub, "D")))
   if d_bias is not None:
     d_bias = d_bias[tuple(slice(0, n) for n in bias.shape)]
-  return d_query, d_key, d_value, d_bias
+  return d_query, d_key, d_value, d_bias, g.all_consts_grads(d_consts)
+
+
+def _plan_classes(g, count: int, lo, hi, vis_lo, vis_hi):
+  """int8 [count]: the structural plan's ranges as block classes (visible = FULL)."""
+  at = jnp.arange(count)
+  full = (at >= vis_lo) & (at < vis_hi) & (g.q_ids is None)
+  return jnp.where(full, FULL, jnp.where((at >= lo) & (at < hi), PARTIAL, EMPTY)).astype(jnp.int8)
+
+
+def _by_class(classes):
+  """Block indices with FULL ones first, then PARTIAL (each ascending), and their counts."""
+  order = jnp.argsort(-classes.astype(jnp.int32), stable=True)
+  return order, jnp.sum(classes == FULL), jnp.sum(classes != EMPTY)
+
+
+def _gathered(body, order):
+  """A loop body over positions in `order` run on the block indices it lists."""
+  return lambda at, carry: body(order[at], carry)
 
 
 def _at(blocks, index):
@@ -298,6 +352,75 @@ class _Grid:
     # Even fully visible blocks need a mask for the user's mask or segment ids
     # (the plan leaves no visible blocks with segment ids).
     self.needs_mask = mask is not None
+    self.mods = spec.mods
+    self.has_score = self.mods is not None and self.mods.has_score
+    self.has_mask_mod = self.mods is not None and self.mods.has_mask
+    # The score_mod's captured arrays that can take a gradient, in place (None elsewhere).
+    consts = self.mods.score_consts if self.has_score else ()
+    self._inexact = [jnp.issubdtype(jnp.result_type(c), jnp.inexact) for c in consts]
+    self.float_consts = tuple(c for c, f in zip(consts, self._inexact) if f)
+    self._consts = consts
+
+  @functools.cached_property
+  def classes(self):
+    """int8 [nq, nk]: per block pair, EMPTY / PARTIAL / FULL for every batch row and
+    head together, from the block mask or the mask_mod; None when there is neither."""
+    mods = self.mods
+    if mods is None or (mods.block_mask is None and not mods.has_mask):
+      return None
+    if mods.block_mask is not None and self.T == mods.block_mask.T:
+      per_head = mods.block_mask.classes  # made for this call (offsets 0)
+    else:
+      per_head = classify(mods, self.B, self.N, self.T, self.S, self.bq, self.bk,
+                          self.q_offset, self.kv_offset)
+    some, every = per_head.max(axis=(0, 1)), per_head.min(axis=(0, 1))
+    return jnp.where(some == EMPTY, EMPTY, jnp.where(every == FULL, FULL, PARTIAL)).astype(
+        jnp.int8)
+
+  def all_consts_grads(self, d_float):
+    """The gradients of every captured array: d_float in place of the inexact ones."""
+    d_float = iter(d_float)
+    return tuple(next(d_float) if f else None for f in self._inexact)
+
+  def _block_index(self, i, j):
+    """Global positions of block (i, j) for the mods (padding clipped to the last real one)."""
+    t = self.q_offset + jnp.minimum(i * self.bq + jnp.arange(self.bq), self.T - 1)
+    s = self.kv_offset + jnp.minimum(j * self.bk + jnp.arange(self.bk), self.S - 1)
+    return {"B": jnp.arange(self.B, dtype=jnp.int32), "K": jnp.arange(self.K, dtype=jnp.int32),
+            "G": jnp.arange(self.G, dtype=jnp.int32), "T": t.astype(jnp.int32),
+            "S": s.astype(jnp.int32)}
+
+  def score_block(self, x, i, j, float_consts=None):
+    """score_mod on block (i, j): x [B, K, G, bq, bk] float32; float_consts replace
+    the captured inexact arrays (for their gradient)."""
+    consts = self._consts
+    if float_consts is not None:
+      it = iter(float_consts)
+      consts = tuple(next(it) if f else c for c, f in zip(consts, self._inexact))
+    G = self.G
+    entry = lambda v, at: self.mods.score(v, at["B"], at["K"] * G + at["G"], at["T"], at["S"],
+                                          consts)
+    return on_grid(entry, "BKGTS", self._block_index(i, j), x)
+
+  def mask_mod_block(self, i, j):
+    """bool [B|1, K|1, G|1, bq, bk]: mask_mod on block (i, j), once for all batch
+    rows (heads) when it does not read b (n)."""
+    G = self.G
+    entry = lambda at: self.mods.mask(at["B"], at["K"] * G + at["G"], at["T"], at["S"])
+    index = self._block_index(i, j)
+    if not self.mods.mask_uses(0):
+      index["B"] = index["B"][:1]
+    if not self.mods.mask_uses(1):
+      index["K"], index["G"] = index["K"][:1], index["G"][:1]
+    return on_grid(entry, "BKGTS", index)
+
+  def to_block(self, x):
+    """[B, K, R, bk] -> [B, K, G, bq, bk]."""
+    return x.reshape(x.shape[:2] + (self.G, self.bq) + x.shape[3:])
+
+  def from_block(self, x):
+    """[B, K, G, bq, bk] -> [B, K, R, bk]."""
+    return x.reshape(x.shape[:2] + (self.R,) + x.shape[4:])
 
   # The operands in block order, built on first use (forward and backward
   # read different ones). Rows: [I, B, K, R, H]; columns: the transpose.
@@ -372,8 +495,9 @@ class _Grid:
     """The bias of block (i, j), grouped [B|1, K|1, G|1, bq|1, bk|1]."""
     return self._logical_block(self.bias, i, j)
 
-  def mask(self, i, j):
-    """bool [B|1, K|1, G|1, bq, bk] of block (i, j): user mask, structure, padding."""
+  def mask(self, i, j, with_mod=True):
+    """bool [B|1, K|1, G|1, bq, bk] of block (i, j): user mask, structure, padding,
+    and mask_mod unless with_mod is False (a block it leaves full)."""
     q_pos = self.q_offset + i * self.bq + jnp.arange(self.bq, dtype=jnp.int32)
     kv_local = j * self.bk + jnp.arange(self.bk, dtype=jnp.int32)
     ids = (None, None)
@@ -387,6 +511,8 @@ class _Grid:
     keep = grouped_logical(keep, self.K)  # [B|1, 1, 1, bq|1, bk]
     if self.user_mask is not None:
       keep = keep & self._logical_block(self.user_mask, i, j)
+    if with_mod and self.has_mask_mod:
+      keep = keep & self.mask_mod_block(i, j)
     return keep
 
   def skip_unless_segments_meet(self, body, outer, kv_outer=False):

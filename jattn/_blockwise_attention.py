@@ -18,6 +18,7 @@ from jattn._block_sizes import BlockSizes, default_block_sizes
 from jattn._dense import Dropout
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
+from jattn._programmable import add_sinks, sinks_grad
 
 
 def blockwise_attention(query, key, value, bias, mask, spec: MaskSpec,
@@ -32,7 +33,7 @@ def blockwise_attention(query, key, value, bias, mask, spec: MaskSpec,
                    layout=layout, block_sizes=block_sizes)
   arrays = dict(q_lengths=spec.q_lengths, kv_lengths=spec.kv_lengths,
                 q_segment_ids=spec.q_segment_ids, kv_segment_ids=spec.kv_segment_ids,
-                rng=None if dropout is None else dropout.rng, scale=scale)
+                rng=None if dropout is None else dropout.rng, scale=scale, mods=spec.mods)
   out, lse = _attention(static, query, key, value, bias, mask, arrays)
   return out, None, lse
 
@@ -53,7 +54,7 @@ def _unpack(static: _Static, arrays):
   spec = MaskSpec(is_causal=static.is_causal, local_window=static.local_window,
                   q_lengths=arrays["q_lengths"], kv_lengths=arrays["kv_lengths"],
                   q_segment_ids=arrays["q_segment_ids"],
-                  kv_segment_ids=arrays["kv_segment_ids"])
+                  kv_segment_ids=arrays["kv_segment_ids"], mods=arrays["mods"])
   dropout = (None if static.dropout_rate is None
              else Dropout(static.dropout_rate, arrays["rng"], static.dropout_broadcast))
   return spec, dropout, arrays["scale"]
@@ -69,6 +70,8 @@ def _forward(static, query, key, value, bias, mask, arrays):
   spec, dropout, scale = _unpack(static, arrays)
   out, lse = _blockwise.forward(query, key, value, bias, mask, spec, dropout, scale,
                                 static.layout, 0, 0, static.block_sizes)
+  if spec.mods is not None and spec.mods.sinks is not None:
+    out, lse = add_sinks(out, lse, spec.mods.sinks, static.layout.out)
   return (out, lse), (query, key, value, bias, mask, arrays, out, lse)
 
 
@@ -76,13 +79,22 @@ def _backward(static, residuals, cotangents):
   d_out, _ = cotangents  # the lse carries no gradient (jax.nn stops it too)
   query, key, value, bias, mask, arrays, out, lse = residuals
   spec, dropout, scale = _unpack(static, arrays)
-  d_query, d_key, d_value, d_bias = _blockwise.backward(
+  d_query, d_key, d_value, d_bias, d_consts = _blockwise.backward_with_score_grads(
       query, key, value, bias, mask, spec, dropout, scale, static.layout, 0, 0,
       static.block_sizes, out, lse, d_out)
   d_bias = None if bias is None else d_bias.astype(bias.dtype)
-  zeros = jax.tree_util.tree_map(lambda _: None, arrays)
+  d_arrays = {name: None for name in arrays}
+  mods = arrays["mods"]
+  if mods is not None:  # the gradients of the sinks and of score_mod's arrays
+    d_sinks = None if mods.sinks is None else sinks_grad(
+        out, lse, d_out, mods.sinks, static.layout.out).astype(mods.sinks.dtype)
+    d_consts = tuple(None if d is None else d.astype(c.dtype)
+                     for d, c in zip(d_consts, mods.score_consts))
+    d_arrays["mods"] = dataclasses.replace(
+        mods, mask_consts=(None,) * len(mods.mask_consts), score_consts=d_consts,
+        sinks=d_sinks, block_mask=None)
   return (d_query.astype(query.dtype), d_key.astype(key.dtype),
-          d_value.astype(value.dtype), d_bias, None, zeros)
+          d_value.astype(value.dtype), d_bias, None, d_arrays)
 
 
 _attention.defvjp(_forward, _backward)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn._masks import MaskSpec, combine_masks
+from jattn._programmable import dense_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +36,8 @@ def dense_mask_and_keep(mask, spec: MaskSpec, dropout: Dropout | None, B, N, T, 
   """The user's mask ANDed with the structural masks ([B|1, N|1, T, S] or None),
   the dropout multipliers [B, N, T, S] (or None), and whether a query row may
   be left with no key (then its weights must be zeroed after the softmax)."""
-  may_empty_a_row = mask is not None or spec.may_empty_a_row(T, S)
-  mask = combine_masks(mask, spec.full(T, S))
+  may_empty_a_row = mask is not None or spec.may_empty_a_row(T, S) or spec.has_mask_mod
+  mod_mask = dense_mask(spec.mods, B, N, T, S) if spec.has_mask_mod else None
+  mask = combine_masks(mask, spec.full(T, S), mod_mask)
   keep = None if dropout is None else dropout.multipliers((B, N, T, S))
   return mask, keep, may_empty_a_row

@@ -16,6 +16,8 @@ from jattn._cudnn import cudnn_attention, cudnn_unsupported
 from jattn._layout import Layout, parse_layout
 from jattn._dense import Dropout
 from jattn._masks import MaskSpec
+from jattn._programmable import build_mods
+from jattn._block_mask import check_block_mask
 from jattn._vmapped import vmapped_attention
 from jattn._xla import xla_attention
 
@@ -45,8 +47,18 @@ def _check_implementation(implementation, block_sizes) -> None:
                        f"got implementation={implementation!r}")
 
 
+def _refuse_mods_on_cudnn(mask_mod, score_mod, sinks, block_mask) -> None:
+  given = [name for name, x in (("mask_mod", mask_mod), ("score_mod", score_mod),
+                                ("sinks", sinks), ("block_mask", block_mask)) if x is not None]
+  if given:
+    raise ValueError(f"implementation='cudnn' cannot honour {', '.join(given)}: jax.nn's "
+                     f"cuDNN kernel takes no mask or score function and no sinks; use "
+                     f"'blockwise' or 'xla'")
+
+
 def _resolve_implementation(implementation, block_sizes, *, platform, dims, dtype,
-                            dropout_rate, has_segments, return_weights, scale) -> str:
+                            dropout_rate, has_segments, return_weights, scale,
+                            has_mods=False) -> str:
   """The implementation to run; a ValueError when the chosen one cannot honour the call."""
   if implementation is None and block_sizes is not None:
     implementation = "blockwise"  # asking for block sizes is asking for blockwise
@@ -55,6 +67,8 @@ def _resolve_implementation(implementation, block_sizes, *, platform, dims, dtyp
       dropout_rate=dropout_rate, has_segments=has_segments, return_weights=return_weights)
   if cudnn_reason is None and not isinstance(scale, (int, float)):
     cudnn_reason = f"it takes a Python number as scale, got {type(scale).__name__}"
+  if cudnn_reason is None and has_mods:
+    cudnn_reason = "it takes no mask_mod, score_mod, sinks or block_mask"
   if implementation is None:
     return default_implementation(platform=platform, T=dims["T"], S=dims["S"],
                                   return_weights=return_weights, cudnn_reason=cudnn_reason)
@@ -75,7 +89,8 @@ def dot_product_attention(
     layout="BTNH",
     implementation=None,
     dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
-    return_weights=False, block_sizes=None, return_residual=False):
+    return_weights=False, block_sizes=None, return_residual=False,
+    mask_mod=None, score_mod=None, sinks=None, block_mask=None):
   """Scaled dot-product attention over a batch of multi-head sequences.
 
   Takes the arrays of `jax.nn.dot_product_attention` and gives the same result:
@@ -121,7 +136,20 @@ def dot_product_attention(
       H ([B, T, N] for "BTNH", [B, N, T] for "BNTH" and "BNHT"), in value's
       dtype, no gradient (stopped, as jax.nn's). A row that may attend to no
       key gets the finite -0.7 * float32 max, as jax.nn (float16: -inf). From
-      every implementation; "vmap" computes it with the einsum logits.
+      every implementation; "vmap" computes it with the einsum logits. With
+      sinks, the sink is a term of the sum.
+    mask_mod: mask_mod(b, n, t, s) -> bool for one entry (True = may attend),
+      with global positions; ANDed with every other mask. See `jattn.mods`.
+    score_mod: score_mod(score, b, n, t, s) -> float, applied to each float32
+      logit after scale and bias, before any mask. Arrays it closes over get
+      gradients.
+    sinks: float [N], one logit per query head: a key with no value in every
+      row's softmax denominator.
+    block_mask: a `jattn.BlockMask` of mask_mod (from `jattn.create_block_mask`),
+      reused across calls and layers; "blockwise" computes it when absent.
+
+  Order of operations: logits * scale + bias -> score_mod -> every mask ->
+  softmax (with sinks) -> dropout -> weighted sum of values.
 
   Returns out; (out, weights) with return_weights; (out, lse) with
   return_residual; (out, weights, lse) with both.
@@ -129,6 +157,8 @@ def dot_product_attention(
   Logits and softmax are computed in float32; the output has value's dtype.
   """
   _check_implementation(implementation, block_sizes)
+  if implementation == "cudnn":
+    _refuse_mods_on_cudnn(mask_mod, score_mod, sinks, block_mask)
   if implementation == "ring":
     from jattn._ring_attention import ring_from_context  # it builds on this module
 
@@ -138,7 +168,8 @@ def dot_product_attention(
         scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids, layout=layout, return_residual=return_residual,
-        broadcast_dropout=broadcast_dropout)
+        broadcast_dropout=broadcast_dropout, mask_mod=mask_mod, score_mod=score_mod,
+        sinks=sinks, block_mask=block_mask)
   query = _checks.float_array("query", query)
   key = _checks.float_array("key", key)
   value = _checks.float_array("value", value)
@@ -163,10 +194,15 @@ def dot_product_attention(
                      ("broadcast_dropout", broadcast_dropout)):
     if not isinstance(flag, bool):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
+  mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N)
   impl = _resolve_implementation(
       implementation, block_sizes, platform=jax.devices()[0].platform, dims=dims,
       dtype=query.dtype, dropout_rate=float(dropout_rate),
-      has_segments=q_ids is not None, return_weights=return_weights, scale=scale)
+      has_segments=q_ids is not None, return_weights=return_weights, scale=scale,
+      has_mods=mods is not None)
+  if mods is not None and mods.block_mask is not None:
+    block_sizes = check_block_mask(mods.block_mask, B=B, N=N, T=T, S=S,
+                                   block_sizes=block_sizes, has_batch=lay.has_batch)
 
   if not lay.has_batch:
     query, key, value = (x[None] for x in (query, key, value))
@@ -174,9 +210,12 @@ def dot_product_attention(
   mask = None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
   bias = None if bias is None else jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
 
-  out, weights, lse = _compute(
+  # Mods hold functions traced for this call: a jit cache would never hit, so
+  # they run inside the caller's trace instead.
+  compute = _compute if mods is None else _compute.__wrapped__
+  out, weights, lse = compute(
       query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
-      scale, dropout_rng, is_causal=is_causal, window=window,
+      scale, dropout_rng, mods, is_causal=is_causal, window=window,
       dropout_rate=float(dropout_rate), broadcast_dropout=broadcast_dropout,
       layout=lay, impl=impl, block_sizes=block_sizes,
       static_scale=scale if impl == "cudnn" else None,
@@ -199,11 +238,11 @@ def residual_in_layout(lse, layout: Layout, dtype) -> jax.Array:
     "is_causal", "window", "dropout_rate", "broadcast_dropout", "layout", "impl",
     "block_sizes", "static_scale", "return_weights", "return_residual"))
 def _compute(query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
-             scale, dropout_rng, *, is_causal, window, dropout_rate, broadcast_dropout,
+             scale, dropout_rng, mods, *, is_causal, window, dropout_rate, broadcast_dropout,
              layout, impl, block_sizes, static_scale, return_weights, return_residual):
   spec = MaskSpec(is_causal=is_causal, local_window=window,
                   q_lengths=q_lengths, kv_lengths=kv_lengths,
-                  q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+                  q_segment_ids=q_ids, kv_segment_ids=kv_ids, mods=mods)
   dropout = (Dropout(dropout_rate, dropout_rng, broadcast_dropout)
              if dropout_rate > 0.0 else None)
   fn = _IMPLEMENTATIONS[impl]

@@ -120,6 +120,18 @@ def check_deprecated(**given) -> None:
                        f"replacement dot_general (deprecated in flax too), got {value!r}")
 
 
+def refuse_mods_with_attention_fn(*, mask_mod, score_mod, use_sinks: bool) -> None:
+  """A user attention_fn is called as flax calls it, which has no place for mods."""
+  given = [name for name, present in (("mask_mod", mask_mod is not None),
+                                      ("score_mod", score_mod is not None),
+                                      ("use_sinks", use_sinks)) if present]
+  if given:
+    raise ValueError(f"{', '.join(given)}: an attention_fn is called as flax calls it, "
+                     f"with no mask_mod, score_mod or sinks; drop attention_fn (jattn's "
+                     f"own attention takes them) or bind them into it with "
+                     f"functools.partial(jattn.flax_attention_fn, ...)")
+
+
 def key_value_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
   """flax's rules: inputs_k defaults to inputs_q, inputs_v to inputs_k;
   inputs_kv (older flax) sets both. Returns (inputs_k, inputs_v, self_attention)."""

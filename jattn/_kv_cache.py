@@ -97,3 +97,15 @@ def check_call(self_attention: bool, is_causal: bool, *, per_row: bool = True,
   if not is_causal:
     raise ValueError("decode=True attends causally over the cache: pass "
                      "is_causal=True")
+
+
+def mods_from_positions(start, mask_mod, score_mod):
+  """mask_mod / score_mod for queries that start at position start[b] (int [B]) of the
+  cache: decoding calls them with t the query's position in the cache, as a full pass would."""
+  if mask_mod is not None:
+    inner_mask = mask_mod
+    mask_mod = lambda b, n, t, s: inner_mask(b, n, start[b] + t, s)
+  if score_mod is not None:
+    inner_score = score_mod
+    score_mod = lambda x, b, n, t, s: inner_score(x, b, n, start[b] + t, s)
+  return mask_mod, score_mod

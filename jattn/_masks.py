@@ -85,12 +85,19 @@ class MaskSpec:
   kv_lengths: jax.Array | None = None
   q_segment_ids: jax.Array | None = None
   kv_segment_ids: jax.Array | None = None
+  # mask_mod, score_mod and sinks (`_programmable.Mods`), or None
+  mods: object = None
 
   @property
   def is_empty(self) -> bool:
+    """No structural mask (mods aside: they are applied by each implementation)."""
     return (not self.is_causal and self.local_window is None
             and self.q_lengths is None and self.kv_lengths is None
             and self.q_segment_ids is None)
+
+  @property
+  def has_mask_mod(self) -> bool:
+    return self.mods is not None and self.mods.has_mask
 
   def may_empty_a_row(self, T: int, S: int) -> bool:
     """Whether some query may be left with no key to attend to.

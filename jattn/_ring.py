@@ -34,6 +34,7 @@ from jattn import _blockwise
 from jattn._block_sizes import BlockSizes
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
+from jattn._programmable import add_sinks, sinks_grad
 from jattn._softmax import LARGE_NEGATIVE
 
 _ROWS = "BNT"  # one value per query row and head: lse
@@ -110,9 +111,9 @@ class Ring:
   def merge(self, xs, letter: str):
     return jnp.concatenate(xs, axis=self.layout.axis(letter))
 
-  def spec(self, q_ids, kv_ids, q_len, kv_len) -> MaskSpec:
+  def spec(self, q_ids, kv_ids, q_len, kv_len, mods=None) -> MaskSpec:
     return MaskSpec(is_causal=self.is_causal, q_lengths=q_len, kv_lengths=kv_len,
-                    q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+                    q_segment_ids=q_ids, kv_segment_ids=kv_ids, mods=mods)
 
 
 def _rows_like_out(rows: jax.Array, layout: Layout) -> jax.Array:
@@ -130,19 +131,24 @@ def _combine(out_a, lse_a, out_b, lse_b, layout: Layout):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def ring_core(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len):
+def ring_core(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
+              mods=None):
   """One device's share of ring attention; call inside shard_map.
 
   q, k, v: the local blocks in `ring.layout`; q_offsets / kv_offsets int32
   [chunks]: the global position of the first token of each local chunk;
   q_ids [B, t] / kv_ids [B, s]: segment ids or None; q_len / kv_len [B]
-  (global lengths) or None. Returns the local output in the out layout and
-  the local lse float32 [B, N, t] (no gradient flows back through it).
+  (global lengths) or None; mods: `_programmable.Mods` or None (replicated;
+  mask_mod and score_mod see global positions). Returns the local output in
+  the out layout and the local lse float32 [B, N, t] (no gradient flows back
+  through it).
   """
-  return _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
+  return _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
+                       mods)
 
 
-def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len):
+def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
+                  mods=None):
   lay = ring.layout
   q_chunks, q_ids_chunks = ring.split(q, "T"), ring.split(q_ids, "T", axis=1)
   size = dict(zip(lay.query, q_chunks[0].shape)) | dict(zip(lay.value, v.shape))
@@ -157,31 +163,37 @@ def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_l
       for b, (kb, vb, kb_ids) in enumerate(zip(ring.split(k_blk, "S"), ring.split(v_blk, "S"),
                                                ring.split(kv_ids_blk, "S", axis=1))):
         out_ab, lse_ab = _blockwise.forward(
-            qa, kb, vb, None, None, ring.spec(qa_ids, kb_ids, q_len, kv_len), None,
+            qa, kb, vb, None, None, ring.spec(qa_ids, kb_ids, q_len, kv_len, mods), None,
             ring.scale, lay, q_offsets[a], kv_off[b], ring.block_sizes)
         outs[a], lses[a] = _combine(outs[a], lses[a], out_ab, lse_ab, lay)
     return tuple(outs), tuple(lses), ring.pass_on(travelling)
 
   outs, lses, _ = jax.lax.fori_loop(
       0, ring.num_devices, step, (tuple(outs), tuple(lses), (k, v, kv_offsets, kv_ids)))
-  return ring.merge(outs, "T").astype(v.dtype), jnp.concatenate(lses, axis=-1)
+  out, lse = ring.merge(outs, "T"), jnp.concatenate(lses, axis=-1)
+  if mods is not None and mods.sinks is not None:  # once, after every key range
+    out, lse = add_sinks(out, lse, mods.sinks, lay.out)
+  return out.astype(v.dtype), lse
 
 
-def _ring_fwd(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len):
-  out, lse = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
-  return (out, lse), (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, out, lse)
+def _ring_fwd(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
+              mods=None):
+  out, lse = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
+                           mods)
+  return (out, lse), (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, mods,
+                      out, lse)
 
 
 def _ring_bwd(ring: Ring, residuals, cotangents):
   d_out, _ = cotangents  # the lse carries no gradient, as jax.nn's residual
-  q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, out, lse = residuals
+  q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, mods, out, lse = residuals
   lay = ring.layout
   q_parts = list(zip(ring.split(q, "T"), ring.split(q_ids, "T", axis=1),
                      ring.split(out, "T"), jnp.split(lse, ring.chunks, axis=-1),
                      ring.split(d_out, "T")))
 
   def step(_, carry):
-    d_qs, travelling = carry
+    (d_qs, d_consts), travelling = carry
     k_blk, v_blk, kv_off, kv_ids_blk, d_k_blk, d_v_blk = travelling
     d_qs = list(d_qs)
     d_ks, d_vs = ring.split(d_k_blk, "S"), ring.split(d_v_blk, "S")
@@ -189,20 +201,35 @@ def _ring_bwd(ring: Ring, residuals, cotangents):
                         ring.split(kv_ids_blk, "S", axis=1)))
     for a, (qa, qa_ids, out_a, lse_a, d_out_a) in enumerate(q_parts):
       for b, (kb, vb, kb_ids) in enumerate(kv_parts):
-        dq, dk, dv, _ = _blockwise.backward(
-            qa, kb, vb, None, None, ring.spec(qa_ids, kb_ids, q_len, kv_len), None,
+        dq, dk, dv, _, dc = _blockwise.backward_with_score_grads(
+            qa, kb, vb, None, None, ring.spec(qa_ids, kb_ids, q_len, kv_len, mods), None,
             ring.scale, lay, q_offsets[a], kv_off[b], ring.block_sizes, out_a, lse_a, d_out_a)
         d_qs[a], d_ks[b], d_vs[b] = d_qs[a] + dq, d_ks[b] + dk, d_vs[b] + dv
+        d_consts = jax.tree.map(jnp.add, d_consts, dc)
     travelling = (k_blk, v_blk, kv_off, kv_ids_blk, ring.merge(d_ks, "S"), ring.merge(d_vs, "S"))
-    return tuple(d_qs), ring.pass_on(travelling)
+    return (tuple(d_qs), d_consts), ring.pass_on(travelling)
 
   start = (k, v, kv_offsets, kv_ids, ring.fresh(k.shape), ring.fresh(v.shape))
   d_qs = tuple(ring.fresh(part[0].shape) for part in q_parts)
+  consts = () if mods is None else mods.score_consts
+  d_consts0 = tuple(jnp.zeros(c.shape, jnp.float32)
+                    if jnp.issubdtype(c.dtype, jnp.inexact) else None for c in consts)
   # P hops bring every block, with its accumulated gradients, back home.
-  d_qs, (*_, d_k, d_v) = jax.lax.fori_loop(0, ring.num_devices, step, (d_qs, start))
+  (d_qs, d_consts), (*_, d_k, d_v) = jax.lax.fori_loop(
+      0, ring.num_devices, step, ((d_qs, d_consts0), start))
+  d_mods = None
+  if mods is not None:
+    # This device's share of the gradients of the replicated sinks and score_mod
+    # arrays; the shard_map transpose sums the shares over the devices.
+    d_sinks = None if mods.sinks is None else sinks_grad(
+        out, lse, d_out, mods.sinks, lay.out).astype(mods.sinks.dtype)
+    d_mods = dataclasses.replace(
+        mods, mask_consts=(None,) * len(mods.mask_consts), sinks=d_sinks, block_mask=None,
+        score_consts=tuple(None if d is None else d.astype(c.dtype)
+                           for d, c in zip(d_consts, consts)))
   # Offsets, segment ids and lengths are integers: no cotangent.
   return (ring.merge(d_qs, "T").astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
-          None, None, None, None, None, None)
+          None, None, None, None, None, None, d_mods)
 
 
 ring_core.defvjp(_ring_fwd, _ring_bwd)

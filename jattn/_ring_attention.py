@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jattn import _checks
 from jattn._attend import default_scale
+from jattn._block_mask import check_block_mask
 from jattn._block_sizes import BlockSizes, default_block_sizes
 from jattn._dot_product_attention import (_check_arrays, _lengths, _segment_ids,
                                           residual_in_layout)
 from jattn._layout import Layout, parse_layout
+from jattn._programmable import build_mods
 from jattn._ring import Ring, chunk_offsets, from_zigzag, ring_core, to_zigzag
 
 
@@ -21,7 +25,8 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
                    q_segment_ids=None, kv_segment_ids=None,
                    layout: str = "BTNH", batch_axis_name: str | None = None,
                    head_axis_name: str | None = None, load_balance: bool = True,
-                   block_sizes: BlockSizes | None = None, return_residual: bool = False):
+                   block_sizes: BlockSizes | None = None, return_residual: bool = False,
+                   mask_mod=None, score_mod=None, sinks=None, block_mask=None):
   """Attention with the sequence sharded over `mesh` axis `axis_name` (ring attention).
 
   Same arrays and result as `dot_product_attention` (query [B, T, N, H], key
@@ -40,6 +45,12 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   default per platform), so per-device memory is linear in T / P.
 
   return_residual=True returns (out, lse) as `dot_product_attention`.
+
+  mask_mod, score_mod, sinks: as `dot_product_attention`; the mods see global
+  positions on every device, and each step skips the key blocks mask_mod
+  leaves empty (classified per step; a block_mask is checked, not needed).
+  With them, B and the heads must not be sharded (batch_axis_name and
+  head_axis_name None): the mods index the whole batch and every head.
 
   Requires T and S divisible by P (by 2P for the zig-zag order). bias, a dense
   mask, a local window and dropout are not supported here.
@@ -61,15 +72,27 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   zigzag = is_causal and load_balance
   num_devices = _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name,
                             dims, 2 if zigzag else 1)
+  mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=dims["N"])
+  if mods is not None:
+    if block_mask is not None:
+      check_block_mask(block_mask, B=B, N=dims["N"], T=T, S=S, block_sizes=None,
+                       has_batch=lay.has_batch)
+      mods = dataclasses.replace(mods, block_mask=None)  # each step classifies its range
+    sharded = [n for n, a in (("batch_axis_name", batch_axis_name),
+                              ("head_axis_name", head_axis_name)) if a is not None]
+    if sharded:
+      raise ValueError(f"mask_mod, score_mod and sinks in ring attention need the whole "
+                       f"batch and every head on each device, got {', '.join(sharded)}; "
+                       f"shard only the sequence (a mesh with the 'seq' axis alone)")
 
   if not lay.has_batch:
     query, key, value = (x[None] for x in (query, key, value))
     lay = Layout("B" + lay.query)
-  out, lse = _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids,
-                 mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
-                 head_axis_name=head_axis_name, num_devices=num_devices,
-                 scale=float(scale), is_causal=is_causal, zigzag=zigzag, layout=lay,
-                 block_sizes=block_sizes or default_block_sizes(jax.devices()[0].platform))
+  out, lse = _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, mods,
+                      mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
+                      head_axis_name=head_axis_name, num_devices=num_devices,
+                      scale=float(scale), is_causal=is_causal, zigzag=zigzag, layout=lay,
+                      block_sizes=block_sizes or default_block_sizes(jax.devices()[0].platform))
   lse = residual_in_layout(lse, lay, out.dtype)  # [B, T, N] for "BTNH"
   if not dims["has_batch"]:
     out, lse = out[0], lse[0]
@@ -134,7 +157,7 @@ def _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims, chunks) 
 # Not wrapped in its own jax.jit with the mesh as a static argument: with jax
 # 0.10.2 that made the backward pass of a second mesh (same shapes) reuse the
 # first mesh's shardings and fail. Callers jit the whole step anyway.
-def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name,
+def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, mods, *, mesh, axis_name,
              batch_axis_name, head_axis_name, num_devices, scale, is_causal,
              zigzag, layout: Layout, block_sizes: BlockSizes):
   T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
@@ -145,7 +168,7 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
   ring = Ring(axis_name, num_devices, chunks, scale, is_causal, layout,
               block_sizes)
 
-  def local(q, k, v, q_ids, kv_ids, q_len, kv_len):
+  def local(q, k, v, q_ids, kv_ids, q_len, kv_len, mods):
     if zigzag:
       reorder = lambda x, axis: to_zigzag(x, axis, axis_name, num_devices)
       q, k, v = (reorder(x, layout.axis("T")) for x in (q, k, v))
@@ -153,7 +176,8 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
         q_ids, kv_ids = reorder(q_ids, 1), reorder(kv_ids, 1)
     q_offsets = chunk_offsets(T, chunks, axis_name, num_devices)
     kv_offsets = chunk_offsets(S, chunks, axis_name, num_devices)
-    out, lse = ring_core(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len)
+    out, lse = ring_core(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
+                         mods)
     if zigzag:
       out = from_zigzag(out, layout.axis("T"), axis_name, num_devices)
       lse = from_zigzag(lse, 2, axis_name, num_devices)  # [B, N, T]
@@ -164,10 +188,10 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, *, mesh, axis_name
   out = jax.shard_map(
       local, mesh=mesh,
       in_specs=(spec(layout.query), spec(layout.key), spec(layout.value),
-                ids_spec, ids_spec, spec("B"), spec("B")),
+                ids_spec, ids_spec, spec("B"), spec("B"), PartitionSpec()),
       out_specs=(spec(layout.out), spec("BNT")),
       # The blockwise loops inside start their accumulators from constants,
       # which the varying-manual-axes type check would reject as loop carries.
       check_vma=False,
-  )(query, key, value, q_ids, kv_ids, q_len, kv_len)
+  )(query, key, value, q_ids, kv_ids, q_len, kv_len, mods)
   return out

@@ -13,12 +13,16 @@ LARGE_NEGATIVE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def masked_softmax(logits: jax.Array, mask: jax.Array | None, axis: int, *,
-                   may_empty_a_row: bool = True) -> jax.Array:
+                   may_empty_a_row: bool = True, sinks: jax.Array | None = None) -> jax.Array:
   """Softmax of float32 `logits` along `axis`; entries where `mask` is False get 0.
 
   A row with no True entry in `mask` returns all zeros. may_empty_a_row=False
   promises there is no such row, and saves a pass over the logits.
+  sinks: logits of a key with no value, broadcastable to the logits with
+  `axis` of size 1: exp(sink) joins every row's denominator.
   """
+  if sinks is not None:
+    return _softmax_with_sinks(logits, mask, axis, sinks)
   if mask is None:
     return jax.nn.softmax(logits, axis=axis)
   weights = jax.nn.softmax(jnp.where(mask, logits, LARGE_NEGATIVE), axis=axis)
@@ -27,6 +31,18 @@ def masked_softmax(logits: jax.Array, mask: jax.Array | None, axis: int, *,
   # Zeroing after the softmax is what makes a fully masked row zero; elsewhere
   # the masked entries are already exactly 0 after exp underflows.
   return jnp.where(mask, weights, 0.0)
+
+
+def _softmax_with_sinks(logits, mask, axis, sinks):
+  """exp(l) / (exp(sink) + sum exp(l)); the sink keeps the denominator positive,
+  so a row with no visible key gets zeros without a division by zero."""
+  if mask is not None:
+    logits = jnp.where(mask, logits, LARGE_NEGATIVE)
+  m = jnp.maximum(logits.max(axis=axis, keepdims=True), sinks)
+  e = jnp.exp(logits - m)
+  if mask is not None:
+    e = jnp.where(mask, e, 0.0)
+  return e / (e.sum(axis=axis, keepdims=True) + jnp.exp(sinks - m))
 
 
 def logits_dtype(dtype) -> np.dtype:

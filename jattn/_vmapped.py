@@ -47,19 +47,32 @@ def vmapped_attention(query, key, value, bias, mask, spec: MaskSpec,
   if single_layout == "columns":
     logical = [None if x is None else jnp.swapaxes(x, -1, -2) for x in logical]
 
-  def one_head(q, k, v, m, b, d):
-    return attention_with_weights(q, k, v, m, b, d, scale, single_layout)
+  mods = spec.mods
+  has_score = mods is not None and mods.has_score
+  sinks = None if mods is None or mods.sinks is None else mods.sinks.reshape(K, N // K)
+
+  def one_head(q, k, v, m, b, d, batch, head, sink):
+    score = None
+    if has_score:  # this head's score_mod: batch and head are its b and n
+      score = lambda x, t, s: mods.score(x, batch, head, t, s)
+    return attention_with_weights(q, k, v, m, b, d, scale, single_layout,
+                                  score=score, sink=sink)
 
   fn = one_head
+  sink_axis = lambda level: None if sinks is None or level == "B" else 0
   # Innermost map first: groups (G), then kv heads (K), then batch (B). Each
   # level's axes are positions in the subscripts with the outer letters removed.
   for letter, outer in (("G", "BK"), ("K", "B"), ("B", "")):
     strip = lambda s: "".join(c for c in s if c not in outer)
     axis = lambda s: strip(s).index(letter) if letter in s else None
     fn = jax.vmap(fn,
-                  in_axes=(axis(q_sub), axis(k_sub), axis(v_sub), 0, 0, 0),
+                  in_axes=(axis(q_sub), axis(k_sub), axis(v_sub), 0, 0, 0,
+                           axis("B"), axis("KG"), sink_axis(letter)),
                   out_axes=(axis(out_sub), 0))
-  out, weights = fn(query, key, value, *logical)  # weights [B, K, G, T|S, S|T]
+  batch = jnp.arange(B, dtype=jnp.int32)
+  heads = jnp.arange(N, dtype=jnp.int32).reshape(K, N // K)  # n = k G + g
+  # weights [B, K, G, T|S, S|T]
+  out, weights = fn(query, key, value, *logical, batch, heads, sinks)
 
   if single_layout == "columns":
     weights = jnp.swapaxes(weights, -1, -2)

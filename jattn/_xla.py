@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jattn._dense import Dropout, dense_mask_and_keep
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
+from jattn._programmable import apply_score, sinks_like
 from jattn._softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax
 
 _LOGICAL = "BKGTS"  # mask, bias and weights: logical order, N split
@@ -56,9 +57,17 @@ def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
                       preferred_element_type=dtype) * scale
   if bias is not None:
     logits = logits + to_logits(bias).astype(dtype)
+  mods, sinks = spec.mods, None
+  if mods is not None and mods.has_score:
+    logits = apply_score(mods, logits, logits_sub, N // K)
+  if mods is not None and mods.sinks is not None:
+    sinks = sinks_like(mods.sinks, logits_sub, K, dtype)
   weights = masked_softmax(logits, to_logits(mask), axis=-1,
-                           may_empty_a_row=may_empty_a_row)
-  lse = _row_lse(logits, to_logits(mask), logits_sub).reshape((B, N, T))
+                           may_empty_a_row=may_empty_a_row, sinks=sinks)
+  lse = _row_lse(logits, to_logits(mask), logits_sub)  # [B, K, G, T]
+  if sinks is not None:  # the sink is a term of every row's denominator
+    lse = jnp.logaddexp(lse, mods.sinks.astype(dtype).reshape(1, K, N // K, 1))
+  lse = lse.reshape((B, N, T))
   used = weights if keep is None else weights * to_logits(keep).astype(dtype)
   out = jnp.einsum(f"{logits_sub},{layout.value}->{out_sub}", used.astype(value.dtype),
                    value, preferred_element_type=dtype)

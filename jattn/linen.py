@@ -94,16 +94,20 @@ class MultiHeadAttention(nn.Module):
   out_dot_general_cls: Any = None
   qk_attn_weights_einsum_cls: Any = None
   attn_weights_value_einsum_cls: Any = None
+  use_sinks: bool = False  # a learned `sinks` [N] parameter (zeros at init)
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
                mask=None, is_causal: bool = False, deterministic=None, dropout_rng=None,
-               sow_weights: bool = False, decode: bool = False, lengths=None):
+               sow_weights: bool = False, decode: bool = False, lengths=None,
+               mask_mod=None, score_mod=None):
     """inputs_k/inputs_v/inputs_kv as flax's (keys and values default to
     inputs_q); mask bool or numeric, nonzero = may attend, broadcastable to
     [B, N, T, S]; dropout_rng overrides the `dropout` collection; sow_weights
     sows the weights [B, N, T, S] into 'intermediates'. lengths: int [B], keys
-    past lengths[b] are padding."""
+    past lengths[b] are padding. mask_mod / score_mod: as
+    `dot_product_attention`'s; when decoding they see each query's position in
+    the cache."""
     self._check_attributes()
     layout = _heads.check_layout(self.layout)
     # any number of batch axes, as flax: merged into one here, split on the way out
@@ -154,10 +158,13 @@ class MultiHeadAttention(nn.Module):
           param_dtype=self.param_dtype, kernel_init=self.out_kernel_init or self.kernel_init,
           bias_init=self.out_bias_init or self.bias_init)
 
+      sinks = (self.param("sinks", nn.initializers.zeros_init(), (N,), self.param_dtype)
+               if self.use_sinks else None)
       kv_lengths = lengths
       if decode or self.decode:
-        key, value, mask, is_causal, kv_lengths = self._decode(
+        key, value, mask, is_causal, kv_lengths, start = self._decode(
             self_attention, key, value, mask, is_causal, lengths, per_row=decode)
+        mask_mod, score_mod = _kv_cache.mods_from_positions(start, mask_mod, score_mod)
       if self.dropout_rate > 0.0:
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
         if not deterministic and dropout_rng is None:
@@ -167,6 +174,8 @@ class MultiHeadAttention(nn.Module):
       else:
         dropout_rng = None
       if self.attention_fn is not None:
+        _heads.refuse_mods_with_attention_fn(mask_mod=mask_mod, score_mod=score_mod,
+                                             use_sinks=sinks is not None)
         out = self._flax_attention(query, key, value, mask, kv_lengths, dropout_rng,
                                    sow_weights)
       else:
@@ -176,7 +185,8 @@ class MultiHeadAttention(nn.Module):
             implementation=self.implementation,
             dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
             dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
-            return_weights=sow_weights)
+            return_weights=sow_weights, mask_mod=mask_mod, score_mod=score_mod,
+            sinks=sinks)
         if sow_weights:
           out, weights = out
           self.sow("intermediates", "attention_weights", weights)
@@ -224,8 +234,10 @@ class MultiHeadAttention(nn.Module):
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     cache_index = self.variable(
         "cache", "cache_index", jnp.zeros, (key.shape[0],) if per_row else (), jnp.int32)
+    # [B]: the position of each row's first query (flax's cache keeps one for all)
+    start = jnp.broadcast_to(cache_index.value, (key.shape[0],))
     if not initialized:  # init: the inputs set the cache's shape; attend as a full pass
-      return key, value, mask, is_causal, lengths
+      return key, value, mask, is_causal, lengths, start
     axis = _heads.heads_token_axis(self.layout)
     T = key.shape[axis]
     k, v, index, decode_mask = _kv_cache.step(
@@ -233,7 +245,7 @@ class MultiHeadAttention(nn.Module):
         _kv_cache.check_lengths(lengths, key.shape[0], T), token_axis=axis)
     cached_key.value, cached_value.value, cache_index.value = k, v, index
     mask = decode_mask if mask is None else jnp.logical_and(mask, decode_mask)
-    return k, v, mask, False, None
+    return k, v, mask, False, None, start
 
 
 class MultiHeadDotProductAttention(MultiHeadAttention):

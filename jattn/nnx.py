@@ -73,6 +73,8 @@ class MultiHeadAttention(nnx.Module):
   jattn's own:
     layout: "rows" (inputs [B, T, F]) or "columns" (inputs [B, F, T]).
     implementation: passed to jattn.dot_product_attention.
+    use_sinks: a learned attention sink per query head, the parameter
+      `sinks` [N] (zeros at init); see `dot_product_attention(sinks=)`.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features=None,
@@ -92,7 +94,7 @@ class MultiHeadAttention(nnx.Module):
                kernel_metadata=_NO_METADATA, out_kernel_metadata=_NO_METADATA,
                bias_metadata=_NO_METADATA, out_bias_metadata=_NO_METADATA,
                query_ln_scale_metadata=_NO_METADATA, key_ln_scale_metadata=_NO_METADATA,
-               layout: str = "rows", implementation=None):
+               layout: str = "rows", implementation=None, use_sinks: bool = False):
     _heads.check_deprecated(qkv_dot_general=qkv_dot_general,
                             out_dot_general=out_dot_general,
                             qkv_dot_general_cls=qkv_dot_general_cls,
@@ -150,6 +152,7 @@ class MultiHeadAttention(nnx.Module):
         bias_metadata=out_bias_metadata or bias_metadata, rngs=rngs)
     self.rngs = (rngs.dropout.fork() if keep_rngs and dropout_rate > 0
                  else nnx.data(None))
+    self.sinks = nnx.Param(jnp.zeros((N,), param_dtype)) if use_sinks else nnx.data(None)
 
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
@@ -210,7 +213,7 @@ class MultiHeadAttention(nnx.Module):
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
                mask=None, is_causal: bool = False, deterministic=None, rngs=None,
                sow_weights: bool = False, decode=None, lengths=None,
-               out_sharding=None, qkv_sharding=None):
+               out_sharding=None, qkv_sharding=None, mask_mod=None, score_mod=None):
     """inputs [B, T, F] (rows) or [B, F, T] (columns) -> the same with out_features.
 
     inputs_k / inputs_v: keys and values come from inputs_q when both are None,
@@ -229,6 +232,9 @@ class MultiHeadAttention(nnx.Module):
     element continues from its own position. With flax's cache
     (init_cache(input_shape)): causal by construction, one position for the
     batch, as flax. lengths (without decode): keys past lengths[b] are padding.
+
+    mask_mod / score_mod: as `dot_product_attention`'s; with decode they see
+    each query's position in the cache.
     """
     layout = self.layout
     # any number of batch axes, as flax: merged into one here, split on the way out
@@ -266,8 +272,12 @@ class MultiHeadAttention(nnx.Module):
         key, value, mask = self._decode(self_attention, key, value, mask, is_causal,
                                         lengths, T)
         is_causal, kv_lengths = False, None
+        mask_mod, score_mod = _kv_cache.mods_from_positions(start, mask_mod, score_mod)
       dropout_rng = self._dropout_rng(deterministic, rngs)
+      sinks = None if self.sinks is None else self.sinks[...]
       if self.attention_fn is not None:
+        _heads.refuse_mods_with_attention_fn(mask_mod=mask_mod, score_mod=score_mod,
+                                             use_sinks=sinks is not None)
         out = self._flax_attention(query, key, value, mask, is_causal, kv_lengths,
                                    dropout_rng, sow_weights)
       else:
@@ -277,7 +287,8 @@ class MultiHeadAttention(nnx.Module):
             implementation=self.implementation,
             dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
             dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
-            return_weights=sow_weights)
+            return_weights=sow_weights, mask_mod=mask_mod, score_mod=score_mod,
+            sinks=sinks)
         if sow_weights:
           out, weights = out
           self.sow(nnx.Intermediate, "attention_weights", weights)

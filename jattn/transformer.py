@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jattn.nnx
+from jattn import mods
 from jattn.rope import DEFAULT_BASE, rope_heads
 
 POSITION_ENCODINGS = ("learned", "rope")
@@ -40,6 +41,12 @@ class TransformerConfig:
   position_encoding: str = "learned"  # "learned" (added to the embeddings) or "rope"
   rope_base: float = DEFAULT_BASE
   previous_token_embedding: bool = False  # add an embedding of token t-1 at t
+  logit_soft_cap: float | None = None  # cap * tanh(logit / cap) in every layer (Gemma 2)
+  sinks: bool = False  # a learned attention sink per head in every layer (gpt-oss)
+  # Per layer, cycled over the layers: None for global causal attention, an int w
+  # for a causal sliding window of w keys back; e.g. (4096, None) alternates
+  # sliding-window and global layers as Gemma 2 does.
+  attention_pattern: tuple[int | None, ...] = ()
 
 
 class RotaryMultiHeadAttention(jattn.nnx.MultiHeadAttention):
@@ -60,6 +67,8 @@ def jattn_attention(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
   kwargs = dict(num_kv_heads=config.num_kv_heads, dropout_rate=config.dropout_rate,
                 layout=config.layout, implementation=config.implementation,
                 dtype=config.dtype, rngs=rngs)
+  if config.sinks:
+    kwargs["use_sinks"] = True
   if config.position_encoding == "rope":
     return RotaryMultiHeadAttention(config.num_heads, config.features,
                                     rope_base=config.rope_base, **kwargs)
@@ -94,17 +103,32 @@ def _norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
   return nnx.LayerNorm(config.features, reduction_axes=axis, feature_axes=axis, rngs=rngs)
 
 
+def layer_mods(window: int | None, logit_soft_cap: float | None) -> dict:
+  """A layer's mask_mod (a causal sliding window of `window` keys back) and score_mod."""
+  out = {}
+  if window is not None:
+    out["mask_mod"] = mods.sliding_window(window, 0)
+  if logit_soft_cap is not None:
+    out["score_mod"] = mods.soft_cap(logit_soft_cap)
+  return out
+
+
 class Block(nnx.Module):
   """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, config: TransformerConfig, attention: Callable, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, attention: Callable, *, rngs: nnx.Rngs,
+               layer: int = 0):
     self.attention_norm = _norm(config, rngs)
     self.attention = attention(config, rngs)
     self.mlp_norm = _norm(config, rngs)
     self.mlp = MLP(config, rngs=rngs)
+    pattern = config.attention_pattern
+    self.window = pattern[layer % len(pattern)] if pattern else None
+    self.logit_soft_cap = config.logit_soft_cap
 
   def __call__(self, x, **attention_kwargs):
-    x = x + self.attention(self.attention_norm(x), is_causal=True, **attention_kwargs)
+    x = x + self.attention(self.attention_norm(x), is_causal=True,
+                           **layer_mods(self.window, self.logit_soft_cap), **attention_kwargs)
     return x + self.mlp(self.mlp_norm(x))
 
 
@@ -129,8 +153,8 @@ class Transformer(nnx.Module):
     self.position_embed = (
         nnx.Param(embed_init(rngs.params(), (config.max_len, config.features)))
         if config.position_encoding == "learned" else nnx.data(None))
-    self.blocks = nnx.List([Block(config, attention, rngs=rngs)
-                            for _ in range(config.num_layers)])
+    self.blocks = nnx.List([Block(config, attention, rngs=rngs, layer=layer)
+                            for layer in range(config.num_layers)])
     if config.position_encoding == "rope" and not all(
         isinstance(b.attention, RotaryMultiHeadAttention) for b in self.blocks):
       raise ValueError("position_encoding='rope' needs attention modules that rotate "

@@ -10,10 +10,10 @@ import pytest
 HERE = pathlib.Path(__file__).parent
 
 
-def run_on_8_devices(script: pathlib.Path) -> subprocess.CompletedProcess:
+def run_on_8_devices(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              JAX_PLATFORMS="cpu", PYTHONPATH=str(HERE.parent))
-  return subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+  return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
                         text=True, timeout=900)
 
 

@@ -1,0 +1,148 @@
+"""Block sparsity of a mask_mod: each (query block, key block) pair empty, partial or full.
+
+`create_block_mask` evaluates mask_mod one query block at a time, and within
+it a bounded group of key blocks at a time, inside jit: memory grows
+linearly with T and S (never a [T, S] grid), and there is no host round trip.
+The blockwise path skips EMPTY blocks and calls no mask_mod on FULL ones.
+In the style of splash attention's MaskInfo, but traced, and per batch and head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jattn._block_sizes import BlockSizes, default_block_sizes
+from jattn._programmable import build_mods, grid_index, on_grid
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+# Entries of mask_mod evaluated at once: bounds create_block_mask's working
+# memory (a few bytes each) independently of T and S.
+_ENTRIES_PER_STEP = 1 << 20
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockMask:
+  """The block classes of a mask_mod, for reuse across calls and layers (a pytree).
+
+  classes: int8 [B|1, N|1, ceil(T / q), ceil(S / kv)], EMPTY (0), PARTIAL (1)
+    or FULL (2) per (batch, head, query block, key block); B or N is 1 when
+    the mask_mod was declared independent of it (B or N None).
+  block_sizes: the (clipped) `BlockSizes` it was made with; a call uses them.
+  B, N (int or None), T, S: the sizes it was made for.
+  mask_jaxpr, mask_consts: the mask_mod it classifies, traced, with the arrays
+    it captured as leaves (so a block mask made inside jit can leave it); a
+    call that passes no mask_mod uses it.
+  """
+
+  classes: jax.Array
+  block_sizes: BlockSizes
+  B: int | None
+  N: int | None
+  T: int
+  S: int
+  mask_jaxpr: object = None
+  mask_consts: tuple = ()
+
+  def tree_flatten(self):
+    return ((self.classes, self.mask_consts),
+            (self.block_sizes, self.B, self.N, self.T, self.S, self.mask_jaxpr))
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux[:5], aux[5], children[1])
+
+  def sparsity(self) -> jax.Array:
+    """The fraction of EMPTY blocks (float32)."""
+    return jnp.mean((self.classes == EMPTY).astype(jnp.float32))
+
+  def __repr__(self):
+    return (f"BlockMask(B={self.B}, N={self.N}, T={self.T}, S={self.S}, "
+            f"block_sizes={self.block_sizes}, classes {tuple(self.classes.shape)})")
+
+
+def create_block_mask(mask_mod, B, N, T: int, S: int, *,
+                      block_sizes: BlockSizes | None = None) -> BlockMask:
+  """Classifies every (query block, key block) of mask_mod(b, n, t, s) as empty, partial, full.
+
+  B, N: batch size and query heads, or None when mask_mod does not depend on
+  that index (then it is called with 0 there and the classes have size 1).
+  block_sizes: those of the blockwise call that will use it (the platform's
+  default when None), clipped to T and S. Runs under jit, in memory linear in
+  T and S.
+  """
+  for name, size in (("B", B), ("N", N)):
+    if size is not None and (not isinstance(size, int) or size < 1):
+      raise ValueError(f"create_block_mask: {name} must be a positive int or None, got {size!r}")
+  for name, size in (("T", T), ("S", S)):
+    if not isinstance(size, int) or size < 1:
+      raise ValueError(f"create_block_mask: {name} must be a positive int, got {size!r}")
+  if block_sizes is None:
+    block_sizes = default_block_sizes(jax.devices()[0].platform)
+  if not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), got {block_sizes!r}")
+  mods = build_mods(mask_mod, None, None, None, N=N or 1)  # checks arity and result
+  block_sizes = block_sizes.clipped(T, S)
+  classes = classify(mods, B or 1, N or 1, T, S, block_sizes.q, block_sizes.kv)
+  return BlockMask(classes, block_sizes, B, N, T, S, mods.mask_jaxpr, mods.mask_consts)
+
+
+def classify(mods, B: int, N: int, T: int, S: int, bq: int, bk: int, q_offset=0,
+             kv_offset=0):
+  """int8 [B, N, nq, nk]: mask_mod evaluated on one [B, N, bq, c * bk] slab at a time.
+
+  T queries from global position q_offset, S keys from kv_offset (a ring's ranges).
+  """
+  nq, nk = -(-T // bq), -(-S // bk)
+  B_all, N_all = B, N
+  B, N = (B if mods.mask_uses(0) else 1), (N if mods.mask_uses(1) else 1)
+  c = max(1, min(nk, _ENTRIES_PER_STEP // (B * N * bq * bk)))  # key blocks per step
+  groups = -(-nk // c)
+  entry = lambda i: mods.mask(i["B"], i["N"], i["T"], i["S"])
+
+  def row(i):
+    t = i * bq + jnp.arange(bq, dtype=jnp.int32)
+
+    def group(g):
+      s = (g * c) * bk + jnp.arange(c * bk, dtype=jnp.int32)
+      index = grid_index("BN", dict(B=B, N=N))
+      # Padding positions are clipped to real ones for the call, and ignored.
+      index.update(T=q_offset + jnp.minimum(t, T - 1), S=kv_offset + jnp.minimum(s, S - 1))
+      keep = on_grid(entry, "BNTS", index)  # [B, N, bq, c * bk]
+      valid = (t < T)[:, None] & (s < S)[None, :]  # [bq, c * bk]
+      keep = keep.reshape(B, N, bq, c, bk)
+      valid = valid.reshape(bq, c, bk)
+      some = jnp.any(keep & valid, axis=(2, 4))  # [B, N, c]
+      every = jnp.all(keep | ~valid, axis=(2, 4))
+      return jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int8)
+
+    per_group = lax.map(group, jnp.arange(groups))  # [groups, B, N, c]
+    return jnp.moveaxis(per_group, 0, 2).reshape(B, N, groups * c)[..., :nk]
+
+  per_row = lax.map(row, jnp.arange(nq))  # [nq, B, N, nk]
+  classes = jnp.moveaxis(per_row, 0, 2)
+  return jnp.broadcast_to(classes, (B_all, N_all) + classes.shape[2:])
+
+
+def check_block_mask(block_mask, *, B: int, N: int, T: int, S: int,
+                     block_sizes: BlockSizes | None, has_batch: bool) -> BlockSizes:
+  """A call's block_mask must be made for its sizes; returns the block sizes it carries."""
+  if not isinstance(block_mask, BlockMask):
+    raise TypeError(f"block_mask must be a jattn.BlockMask from jattn.create_block_mask, "
+                    f"got {type(block_mask).__name__}")
+  made, call = (block_mask.B, block_mask.N, block_mask.T, block_mask.S), (B, N, T, S)
+  fits = (block_mask.T == T and block_mask.S == S
+          and block_mask.N in (None, N)
+          and block_mask.B in ((None, B) if has_batch else (None, 1)))
+  if not fits:
+    raise ValueError(f"block_mask was made for (B, N, T, S) = {made}, but this call has "
+                     f"(B, N, T, S) = {call}")
+  if block_sizes is not None and block_sizes.clipped(T, S) != block_mask.block_sizes:
+    raise ValueError(f"block_sizes {block_sizes.clipped(T, S)} differ from the "
+                     f"block_mask's {block_mask.block_sizes}; leave block_sizes out "
+                     f"to use the block_mask's")
+  return block_mask.block_sizes

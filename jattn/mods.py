@@ -1,0 +1,203 @@
+"""Ready-made mask and score functions for `dot_product_attention(mask_mod=, score_mod=)`.
+
+A mask mod is called for one entry, `mask_mod(b, n, t, s) -> bool` (True = may
+attend), a score mod as `score_mod(score, b, n, t, s) -> float`: b batch, n
+query head, t query position, s key position (int32 scalars, global
+positions). jattn vectorises them with `jax.vmap`.
+
+Each ready-made mod is a small frozen object that carries its parameters
+(so other code can recognise it, e.g. to lower it onto a kernel with the same
+mask built in) and is called like the plain function it stands for. Array
+parameters may be NumPy or JAX arrays, traced or not; a score mod's arrays
+receive gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+
+# ---------------------------------------------------------------- mask mods
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal:
+  """s <= t: query t sees keys up to its own position (is_causal=True)."""
+
+  def __call__(self, b, n, t, s):
+    return s <= t
+
+
+@dataclasses.dataclass(frozen=True)
+class SlidingWindow:
+  """t - left <= s <= t + right (local_window_size=(left, right))."""
+
+  left: int
+  right: int = 0
+
+  def __call__(self, b, n, t, s):
+    return (s >= t - self.left) & (s <= t + self.right)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked:
+  """t // size == s // size: attention within fixed chunks of `size` tokens (Llama 4).
+
+  Combine with causal() for causal chunked attention.
+  """
+
+  size: int
+
+  def __call__(self, b, n, t, s):
+    return t // self.size == s // self.size
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PrefixLM:
+  """s <= t or s < prefix_lengths[b]: bidirectional over a prefix, causal after it."""
+
+  prefix_lengths: object  # int [B]
+
+  def __call__(self, b, n, t, s):
+    return (s <= t) | (s < jnp.asarray(self.prefix_lengths)[b])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Document:
+  """q_segment_ids[b, t] == kv_segment_ids[b, s]: packed documents see only themselves."""
+
+  q_segment_ids: object  # int [B, T]
+  kv_segment_ids: object  # int [B, S]
+
+  def __call__(self, b, n, t, s):
+    return jnp.asarray(self.q_segment_ids)[b, t] == jnp.asarray(self.kv_segment_ids)[b, s]
+
+
+@dataclasses.dataclass(frozen=True)
+class And:
+  """mask_mods[0](b, n, t, s) & mask_mods[1](...) & ..."""
+
+  mask_mods: tuple[Callable, ...]
+
+  def __call__(self, b, n, t, s):
+    out = jnp.bool_(True)
+    for mod in self.mask_mods:
+      out = out & mod(b, n, t, s)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Or:
+  """mask_mods[0](b, n, t, s) | mask_mods[1](...) | ..."""
+
+  mask_mods: tuple[Callable, ...]
+
+  def __call__(self, b, n, t, s):
+    out = jnp.bool_(False)
+    for mod in self.mask_mods:
+      out = out | mod(b, n, t, s)
+    return out
+
+
+def causal() -> Causal:
+  return Causal()
+
+
+def sliding_window(left: int, right: int = 0) -> SlidingWindow:
+  return SlidingWindow(int(left), int(right))
+
+
+def chunked(size: int) -> Chunked:
+  if int(size) < 1:
+    raise ValueError(f"chunked: size must be a positive int, got {size!r}")
+  return Chunked(int(size))
+
+
+def prefix_lm(prefix_lengths) -> PrefixLM:
+  return PrefixLM(prefix_lengths)
+
+
+def document(q_segment_ids, kv_segment_ids=None) -> Document:
+  """kv_segment_ids defaults to q_segment_ids (self-attention)."""
+  return Document(q_segment_ids, q_segment_ids if kv_segment_ids is None else kv_segment_ids)
+
+
+def and_masks(*mask_mods) -> And:
+  return And(tuple(mask_mods))
+
+
+def or_masks(*mask_mods) -> Or:
+  return Or(tuple(mask_mods))
+
+
+# ---------------------------------------------------------------- score mods
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SoftCap:
+  """cap * tanh(score / cap): logits bounded by +-cap (Gemma 2)."""
+
+  cap: object  # float, or a float array (learnable)
+
+  def __call__(self, score, b, n, t, s):
+    cap = jnp.asarray(self.cap, score.dtype)
+    return cap * jnp.tanh(score / cap)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Alibi:
+  """score + slopes[n] * (s - t): a linear distance penalty per head (ALiBi)."""
+
+  slopes: object  # float [N]
+
+  def __call__(self, score, b, n, t, s):
+    slopes = jnp.asarray(self.slopes)
+    return score + slopes[n].astype(score.dtype) * (s - t).astype(score.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RelativeBias:
+  """score + table[n, clip(s - t, -M, M) + M] with table [N, 2M + 1] (T5-style, unbucketed)."""
+
+  table: object  # float [N, 2M + 1]
+
+  def __call__(self, score, b, n, t, s):
+    table = jnp.asarray(self.table)
+    M = (table.shape[-1] - 1) // 2
+    return score + table[n, jnp.clip(s - t, -M, M) + M].astype(score.dtype)
+
+
+def soft_cap(cap) -> SoftCap:
+  if isinstance(cap, (int, float)) and not cap > 0:
+    raise ValueError(f"soft_cap: cap must be positive, got {cap!r}")
+  return SoftCap(cap)
+
+
+def alibi(slopes) -> Alibi:
+  if jnp.ndim(slopes) != 1:
+    raise ValueError(f"alibi: slopes must be [N], got shape {jnp.shape(slopes)}")
+  return Alibi(slopes)
+
+
+def alibi_slopes(num_heads: int) -> jnp.ndarray:
+  """float32 [N]: ALiBi's geometric slopes 2^(-8 (n + 1) / N).
+
+  Positive: with alibi(), a key s < t is penalised by slopes[n] * (t - s).
+  """
+  n = jnp.arange(1, num_heads + 1, dtype=jnp.float32)
+  return jnp.exp2(-8.0 * n / num_heads)
+
+
+def relative_bias(table) -> RelativeBias:
+  shape = jnp.shape(table)
+  if len(shape) != 2 or shape[1] % 2 != 1:
+    raise ValueError(f"relative_bias: table must be [N, 2M + 1] (odd width), got shape {shape}")
+  return RelativeBias(table)
+
+
+__all__ = ["Alibi", "And", "Causal", "Chunked", "Document", "Or", "PrefixLM",
+           "RelativeBias", "SlidingWindow", "SoftCap", "alibi", "alibi_slopes",
+           "and_masks", "causal", "chunked", "document", "or_masks", "prefix_lm",
+           "relative_bias", "sliding_window", "soft_cap"]

@@ -1,0 +1,29 @@
+"""Ring attention with mask_mod, score_mod and sinks on 8 simulated devices (a subprocess),
+and the refusals that need no devices."""
+
+import numpy as np
+import pytest
+
+import jattn
+from jattn import mods
+from tests.test_ring import HERE, run_on_8_devices
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cases,count", [
+    ("quick", 2), pytest.param("all", 3, marks=pytest.mark.thorough)])
+def test_ring_mods_match_single_device_values_and_gradients(cases, count):
+  result = run_on_8_devices(HERE / "multidevice" / "ring_mod_cases.py", cases)
+  print(result.stdout)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "FAIL" not in result.stdout
+  assert result.stdout.count("ok  ") == count
+
+
+def test_ring_mods_refuse_a_sharded_batch():
+  import jax
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "seq"))
+  q = np.zeros((1, 4, 2, 8), np.float32)
+  with pytest.raises(ValueError, match="mask_mod, score_mod and sinks in ring.*batch_axis_name"):
+    jattn.ring_attention(q, q, q, mesh=mesh, batch_axis_name="data",
+                         score_mod=mods.soft_cap(1.0))
