@@ -52,11 +52,11 @@ from jax import lax
 
 from jattn import _block_plan
 from jattn._block_mask import EMPTY, FULL, PARTIAL, classify
-from jattn._programmable import on_grid
 from jattn._block_sizes import BlockSizes
 from jattn._dense import Dropout
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
+from jattn._programmable import on_grid
 from jattn._softmax import LARGE_NEGATIVE, logits_dtype
 from jattn._xla import grouped_logical, split_heads
 
