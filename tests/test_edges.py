@@ -142,7 +142,8 @@ def test_ranges_at_global_offsets_match_float64_reference(name):
 def _alone(name, T, S):
   """One mask argument alone, leaving some query rows with no key at all."""
   return {
-      "window_past_the_keys": dict(local_window_size=(2, 1)),  # rows t > S + 2 see nothing
+      # rows t > S - 1 + 1 see nothing; right > left, so a rule on the right side fails
+      "window_past_the_keys": dict(local_window_size=(1, 6)),
       "q_lengths": dict(query_seq_lengths=np.array([T - 3, 0])),
       "kv_lengths": dict(key_value_seq_lengths=np.array([0, S - 2])),
       "segments": dict(q_segment_ids=np.repeat([[0, 1, 2]], B, 0).repeat([4, 4, T - 8], 1),
