@@ -135,3 +135,38 @@ def test_ranges_at_global_offsets_match_float64_reference(name):
   want = reference_vjp(q, k, v, d_out, scale=0.5, **masks)
   for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
     np.testing.assert_allclose(g, w, **TOL, err_msg=label)
+
+
+# ----------------------------------------------------------------- rows with no key
+
+def _alone(name, T, S):
+  """One mask argument alone, leaving some query rows with no key at all."""
+  return {
+      # rows t > S - 1 + 1 see nothing; right > left, so a rule on the right side fails
+      "window_past_the_keys": dict(local_window_size=(1, 6)),
+      "q_lengths": dict(query_seq_lengths=np.array([T - 3, 0])),
+      "kv_lengths": dict(key_value_seq_lengths=np.array([0, S - 2])),
+      "segments": dict(q_segment_ids=np.repeat([[0, 1, 2]], B, 0).repeat([4, 4, T - 8], 1),
+                       kv_segment_ids=np.repeat([[0, 1]], B, 0).repeat([2, S - 2], 1)),
+  }[name]
+
+
+@pytest.mark.parametrize("impl", ["xla", "vmap", "blockwise"])
+@pytest.mark.parametrize("name", ["window_past_the_keys", "q_lengths", "kv_lengths",
+                                  "segments"])
+def test_each_mask_alone_with_rows_that_see_no_key(name, impl):
+  """Each mask argument on its own (no other mask to hide a mistake), with rows that
+  may attend to no key: zeros there, the reference elsewhere, finite gradients."""
+  T, S = 11, 5
+  q, k, v, d_out = _inputs(T, S, seed=4)
+  masks = _alone(name, T, S)
+  fn = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation=impl,
+      block_sizes=jattn.BlockSizes(q=4, kv=3) if impl == "blockwise" else None,
+      **_to_jax(masks))
+  out, pullback = jax.vjp(fn, q, k, v)
+  got = (out,) + pullback(jnp.asarray(d_out))
+  want = reference_vjp(q, k, v, d_out, **masks)
+  assert np.any(np.all(want[0] == 0, axis=(2, 3))), "some row sees no key"
+  for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
+    np.testing.assert_allclose(g, w, **TOL, err_msg=label)

@@ -120,3 +120,14 @@ def test_masks_compose_into_attention():
       query_seq_lengths=q_len, key_value_seq_lengths=kv_len,
       q_segment_ids=seg, kv_segment_ids=seg)
   np.testing.assert_allclose(out, keywords, atol=1e-6, rtol=1e-6)
+
+
+def test_padding_mask_with_one_side_unpadded_broadcasts_over_any_batch():
+  """lengths on one side only, B = 3: [B, 1, T, S], True where the given side is valid."""
+  T, S = 4, 5
+  got = np.asarray(jattn.padding_mask(np.array([1, 4, 0]), None, T, S))
+  want = (np.arange(T)[None, :, None] < np.array([1, 4, 0])[:, None, None]).repeat(S, 2)
+  np.testing.assert_array_equal(got, want[:, None])
+  got = np.asarray(jattn.padding_mask(None, np.array([2, 5, 0]), T, S))
+  want = (np.arange(S)[None, None, :] < np.array([2, 5, 0])[:, None, None]).repeat(T, 1)
+  np.testing.assert_array_equal(got, want[:, None])
