@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import resource
 import subprocess
 import sys
 import time
@@ -129,7 +128,11 @@ def child_memory(T: int) -> None:
   run = protocol._jax_runner(fn, q, k, v, "fwd+bwd", "float32")
   t0 = time.perf_counter()
   run()
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+  # VmHWM, not ru_maxrss: the latter carries the parent's peak through fork and exec.
+  status = pathlib.Path("/proc/self/status").read_text()
+  peak_kib = next(int(line.split()[1]) for line in status.splitlines()
+                  if line.startswith("VmHWM:"))
+  peak = peak_kib / 2**20  # KiB -> GiB
   print(json.dumps({"T": T, "seconds_with_compile": time.perf_counter() - t0,
                     "peak_rss_gib": peak}))
 
