@@ -20,6 +20,7 @@ from flax import linen as nn
 
 from jattn import _heads, _kv_cache
 from jattn._dot_product_attention import dot_product_attention
+from jattn._masks import combine_masks, padding_mask
 from jattn._precision import matmul_precision
 
 
@@ -210,10 +211,9 @@ class MultiHeadAttention(nn.Module):
   def _flax_attention(self, query, key, value, mask, kv_lengths, dropout_rng, sow_weights):
     """The user's attention_fn, called as flax.linen calls it: only the keywords
     its signature names."""
-    if kv_lengths is not None:  # jattn's lengths, as a mask
-      S = key.shape[1]
-      valid = (jnp.arange(S)[None, :] < jnp.asarray(kv_lengths)[:, None])[:, None, None, :]
-      mask = valid if mask is None else jnp.logical_and(mask, valid)
+    if kv_lengths is not None:  # jattn's lengths, as a mask flax's functions understand
+      T, S = query.shape[1], key.shape[1]  # [B, T, N, H] and [B, S, K, H]
+      mask = combine_masks(mask, padding_mask(None, kv_lengths, T, S))
     kwargs = dict(mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
                   broadcast_dropout=self.broadcast_dropout,
                   deterministic=dropout_rng is None, dtype=self.dtype,

@@ -20,6 +20,7 @@ from flax.nnx.nn import dtypes
 
 from jattn import _heads, _kv_cache
 from jattn._dot_product_attention import dot_product_attention
+from jattn._masks import combine_masks, padding_mask
 from jattn._precision import matmul_precision
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -300,9 +301,8 @@ class MultiHeadAttention(nnx.Module):
                       sow_weights):
     """The user's attention_fn, called as flax.nnx.MultiHeadAttention calls it."""
     if kv_lengths is not None:  # jattn's lengths, as a mask flax's functions understand
-      S = key.shape[1]
-      valid = (jnp.arange(S)[None, :] < jnp.asarray(kv_lengths)[:, None])[:, None, None, :]
-      mask = valid if mask is None else jnp.logical_and(mask, valid)
+      T, S = query.shape[1], key.shape[1]  # [B, T, N, H] and [B, S, K, H]
+      mask = combine_masks(mask, padding_mask(None, kv_lengths, T, S))
     return self.attention_fn(
         query, key, value, mask=mask, dropout_rng=dropout_rng,
         dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,

@@ -308,3 +308,19 @@ def test_precision_reaches_every_matmul(impl):
                                          x.reshape(B, T, 4, 4), precision="high",
                                          implementation=impl)
   assert precisions(fn) == {("HIGH", "HIGH")}
+
+
+def test_lengths_reach_a_user_attention_fn_as_a_mask():
+  """lengths= with flax's own attention as attention_fn equals jattn's attention with
+  lengths (the same module weights): padded keys are masked for the user's function too."""
+  x = np.random.default_rng(3).standard_normal((B, T, F)).astype(np.float32)
+  lengths = jnp.array([2, T], jnp.int32)
+  make = lambda fn: jattn.nnx.MultiHeadAttention(4, F, attention_fn=fn, rngs=nnx.Rngs(0))
+  expected = make(None)(x, lengths=lengths)
+  np.testing.assert_allclose(make(nnx.dot_product_attention)(x, lengths=lengths), expected,
+                             rtol=1e-5, atol=1e-5)
+  module = jattn.linen.MultiHeadAttention(4, attention_fn=nn.dot_product_attention)
+  params = module.init(jax.random.key(0), x)
+  ours = jattn.linen.MultiHeadAttention(4).apply(params, x, lengths=lengths)
+  np.testing.assert_allclose(module.apply(params, x, lengths=lengths), ours,
+                             rtol=1e-5, atol=1e-5)
