@@ -42,6 +42,23 @@ def _decode(call, layout, x):
   return out
 
 
+def _decode_transformer(model, tokens):
+  """Logits [B, L, V] from decoding a Transformer: prompts of PROMPTS[b] tokens, then
+  single tokens, each batch element from its own cache position."""
+  model.init_cache(B)
+  first = model(tokens[:, :PROMPTS.max()], decode=True, lengths=jnp.asarray(PROMPTS))
+  got = np.zeros(first.shape[:1] + (L,) + first.shape[2:], np.float32)
+  for b in range(B):
+    got[b, :PROMPTS[b]] = first[b, :PROMPTS[b]]
+  for j in range(L - PROMPTS.min()):
+    t = np.minimum(PROMPTS + j, L - 1)  # elements already at the end repeat their last token
+    step = model(jnp.asarray(tokens)[np.arange(B), t][:, None], decode=True)[:, 0]
+    for b in range(B):
+      if PROMPTS[b] + j < L:
+        got[b, PROMPTS[b] + j] = step[b]
+  return got
+
+
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 def test_nnx_decoding_equals_full_causal_pass(layout):
   x = jax.random.normal(jax.random.key(0), (B, L, F), jnp.float32)
@@ -99,18 +116,7 @@ def test_transformer_decoding_equals_full_pass_and_layouts_agree(position_encodi
   full = model(tokens)  # [B, L, V]
   columns = Transformer(dataclasses.replace(config, layout="columns"), rngs=nnx.Rngs(0))
   np.testing.assert_allclose(columns(tokens), full, rtol=1e-5, atol=1e-5)
-  model.init_cache(B)
-  first = model(tokens[:, :PROMPTS.max()], decode=True, lengths=jnp.asarray(PROMPTS))
-  got = np.zeros(full.shape, np.float32)
-  for b in range(B):
-    got[b, :PROMPTS[b]] = first[b, :PROMPTS[b]]
-  for j in range(L - PROMPTS.min()):
-    t = np.minimum(PROMPTS + j, L - 1)
-    step = model(jnp.asarray(tokens)[np.arange(B), t][:, None], decode=True)[:, 0]
-    for b in range(B):
-      if PROMPTS[b] + j < L:
-        got[b, PROMPTS[b] + j] = step[b]
-  np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(_decode_transformer(model, tokens), full, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["rows", "columns"])

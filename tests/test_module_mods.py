@@ -12,7 +12,7 @@ import jattn
 import jattn.linen
 import jattn.nnx
 from jattn import mods
-from tests.test_decode import B, F, L, MAX, PROMPTS, _columns, _decode
+from tests.test_decode import B, F, L, MAX, _columns, _decode, _decode_transformer
 
 N = 4
 SLOPES = jnp.asarray([0.5, -0.25, 0.125, 1.0], jnp.float32)
@@ -122,15 +122,4 @@ def test_transformer_gemma2_style_config_decodes_like_its_full_pass():
                                            "logit_soft_cap": None, "sinks": False}),
                       rngs=nnx.Rngs(0))
   assert float(jnp.abs(plain(tokens) - full).max()) > 1e-3
-  model.init_cache(B)
-  first = model(tokens[:, :PROMPTS.max()], decode=True, lengths=jnp.asarray(PROMPTS))
-  got = np.zeros(full.shape, np.float32)
-  for b in range(B):
-    got[b, :PROMPTS[b]] = first[b, :PROMPTS[b]]
-  for j in range(L - PROMPTS.min()):
-    t = np.minimum(PROMPTS + j, L - 1)
-    step = model(jnp.asarray(tokens)[np.arange(B), t][:, None], decode=True)[:, 0]
-    for b in range(B):
-      if PROMPTS[b] + j < L:
-        got[b, PROMPTS[b] + j] = step[b]
-  np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(_decode_transformer(model, tokens), full, rtol=1e-5, atol=1e-5)
