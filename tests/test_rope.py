@@ -67,3 +67,16 @@ def test_rope_shape_errors_name_the_argument():
     rope(jnp.ones((4, 2)), jnp.arange(5))
   with pytest.raises(ValueError, match=r"x: expected rank 2 \[T, H\]"):
     rope(jnp.ones((1, 4, 2)), jnp.arange(4))
+
+
+def test_rope_arrays_by_name_and_options_by_keyword_only():
+  # the signatures: x and positions may be named, base and layout must be
+  x, positions = jnp.ones((2, 4)), jnp.arange(2)
+  np.testing.assert_allclose(rope(x=x, positions=positions, base=100.0),
+                             _reference(np.ones((2, 4)), [0, 1], base=100.0), rtol=1e-5)
+  with pytest.raises(TypeError):
+    rope(x, positions, 100.0)
+  heads, rows = jnp.ones((1, 2, 1, 4)), jnp.arange(2)[None]
+  assert rope_heads(x=heads, positions=rows, layout="rows").shape == heads.shape
+  with pytest.raises(TypeError):
+    rope_heads(heads, rows, "rows")
