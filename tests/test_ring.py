@@ -18,12 +18,14 @@ def run_on_8_devices(script: pathlib.Path, *args: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.slow
-def test_ring_attention_matches_single_device_values_and_gradients():
-  result = run_on_8_devices(HERE / "multidevice" / "ring_cases.py")
+@pytest.mark.parametrize("cases,count", [
+    ("quick", 7), pytest.param("all", 12, marks=pytest.mark.thorough)])
+def test_ring_attention_matches_single_device_values_and_gradients(cases, count):
+  result = run_on_8_devices(HERE / "multidevice" / "ring_cases.py", cases)
   print(result.stdout)
   assert result.returncode == 0, result.stdout + result.stderr
   assert "FAIL" not in result.stdout
-  assert result.stdout.count("ok  ") == 11
+  assert result.stdout.count("ok  ") == count
 
 
 def test_ring_without_a_mesh_says_how_to_set_one():
