@@ -138,7 +138,7 @@ def test_return_weights_with_mods(impl):
 
 
 @pytest.mark.parametrize("layout,impl", _tiered(["BNHT", "TNH"], IMPLS, {
-    ("BNHT", "blockwise"), ("TNH", "vmap")}))
+    ("BNHT", "blockwise"), ("BNHT", "vmap"), ("TNH", "vmap")}))
 def test_layouts(impl, layout):
   to = lambda x: jnp.einsum(f"BTNH->{layout if 'B' in layout else 'B' + layout}", x)
   q, k, v = (to(x) for x in (Q, KEY, V))

@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -253,6 +254,25 @@ def test_project_qkv_rows_and_columns():
   for got, w in zip((qc, kc, vc), (w_q, w_k, w_v)):
     np.testing.assert_allclose(got, w.T.astype(np.float64) @ x.T, atol=1e-5,
                                rtol=1e-5)
+
+
+def test_project_qkv_arrays_by_name_and_layout_keyword_only():
+  x, w = np.ones((2, 3), np.float32), np.ones((3, 2), np.float32)
+  q, _, _ = jattn.project_qkv(x=x, w_q=w, w_k=w, w_v=w, layout="rows")
+  np.testing.assert_array_equal(q, np.full((2, 2), 3.0))
+  with pytest.raises(TypeError):
+    jattn.project_qkv(x, w, w, w, "rows")
+
+
+@pytest.mark.parametrize("layout, legend, shape", [("rows", "[T, S]", (4, 6)),
+                                                   ("columns", "[S, T]", (6, 4))])
+def test_attention_mask_error_names_the_layouts_axes(layout, legend, shape):
+  # T = 4 queries, S = 6 keys; the message names the mask's axes in this layout
+  q = np.ones((4, 8) if layout == "rows" else (8, 4), np.float32)
+  k = np.ones((6, 8) if layout == "rows" else (8, 6), np.float32)
+  v = np.ones((6, 3) if layout == "rows" else (3, 6), np.float32)
+  with pytest.raises(ValueError, match=re.escape(f"{legend} = {shape}")):
+    jattn.attention(q, k, v, mask=np.ones((5, 5), bool), layout=layout)
 
 
 # ---------------------------------------------------------------- worked example
