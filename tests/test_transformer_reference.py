@@ -39,8 +39,10 @@ def _rope(x, base):
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _attention(x, attn, config, lengths):
-  """Causal multi-head attention of x [B, T, F] with K kv heads, loops over heads."""
+def _attention(x, attn, config, lengths, window=None):
+  """Causal multi-head attention of x [B, T, F] with K kv heads, loops over heads;
+  window w: keys t - w <= s <= t only; logits capped at cap * tanh(logit / cap);
+  sinks: p = exp(l) / (exp(sink[n]) + sum_s exp(l))."""
   q = np.einsum("btf,fnh->btnh", x, _a(attn.query.kernel)) + _a(attn.query.bias)
   k = np.einsum("btf,fkh->btkh", x, _a(attn.key.kernel)) + _a(attn.key.bias)
   v = np.einsum("btf,fkh->btkh", x, _a(attn.value.kernel)) + _a(attn.value.bias)
@@ -52,11 +54,17 @@ def _attention(x, attn, config, lengths):
     for n in range(N):
       kv = n // (N // K)  # the kv head shared by this query head
       logits = q[b, :, n] @ k[b, :, kv].T / np.sqrt(H)  # [T, S]
+      if config.logit_soft_cap is not None:
+        logits = config.logit_soft_cap * np.tanh(logits / config.logit_soft_cap)
       allowed = np.tril(np.ones((T, T), bool)) & (np.arange(T) < lengths[b])[None, :]
+      if window is not None:
+        allowed &= np.arange(T)[None, :] >= np.arange(T)[:, None] - window
+      sink = _a(attn.sinks)[n] if config.sinks else -np.inf
       logits = np.where(allowed, logits, -np.inf)
-      m = logits.max(-1, keepdims=True)
-      w = np.where(allowed, np.exp(logits - np.where(np.isfinite(m), m, 0)), 0)
-      w = w / np.maximum(w.sum(-1, keepdims=True), 1e-300)
+      m = np.maximum(logits.max(-1, keepdims=True), sink)
+      m = np.where(np.isfinite(m), m, 0)
+      w = np.where(allowed, np.exp(logits - m), 0)
+      w = w / np.maximum(w.sum(-1, keepdims=True) + np.exp(sink - m), 1e-300)
       out[b, :, n] = w @ v[b, :, kv]
   return np.einsum("btnh,nhf->btf", out, _a(attn.out.kernel)) + _a(attn.out.bias)
 
@@ -71,9 +79,11 @@ def reference_logits(model, config, tokens, lengths):
     x = x + previous
   if config.position_encoding == "learned":
     x = x + _a(model.position_embed)[:T][None]
-  for block in model.blocks:
+  pattern = config.attention_pattern
+  for i, block in enumerate(model.blocks):
+    window = pattern[i % len(pattern)] if pattern else None
     x = x + _attention(_layer_norm(x, block.attention_norm), block.attention, config,
-                       lengths)
+                       lengths, window)
     h = _layer_norm(x, block.mlp_norm)
     h = _gelu(h @ _a(block.mlp.w_in) + _a(block.mlp.b_in))
     x = x + h @ _a(block.mlp.w_out) + _a(block.mlp.b_out)
@@ -87,21 +97,28 @@ CONFIGS = {
     "learned_previous_mqa_blockwise": dict(num_kv_heads=1, previous_token_embedding=True,
                                            implementation="blockwise"),
     "rope_rows_gqa": dict(position_encoding="rope", num_kv_heads=2, rope_base=100.0),
+    # layer 0 a window of 2 keys back, layer 1 global; capped logits; sinks
+    "window_softcap_sinks": dict(attention_pattern=(2, None), logit_soft_cap=1.5, sinks=True),
 }
 
 
-@pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name, with_lengths", [
+    (name, lengths) for name in sorted(CONFIGS) for lengths in (False, True)
+    if name != "window_softcap_sinks" or lengths], ids=lambda v: {
+        False: "full", True: "lengths"}.get(v, v) if isinstance(v, bool) else v)
 def test_forward_matches_plain_float64_model(name, with_lengths):
   config = TransformerConfig(vocab_size=V, max_len=T + 3, num_layers=2, features=F,
                              num_heads=4, mlp_features=E, **CONFIGS[name])
   model = Transformer(config, rngs=nnx.Rngs(0))
-  for block in model.blocks:  # non-zero biases and norms, so each one is read
-    for param in (block.attention.query.bias, block.attention.out.bias,
-                  block.attention_norm.bias, block.mlp.b_in):
-      param[...] = 0.1 * jnp.asarray(np.random.default_rng(1).standard_normal(param.shape),
-                                     param[...].dtype)
+  rng = np.random.default_rng(1)
+  for block in model.blocks:  # non-zero biases, norms and sinks, so each one is read
+    params = [block.attention.query.bias, block.attention.value.bias,
+              block.attention.out.bias, block.attention_norm.bias, block.mlp.b_in,
+              block.mlp.b_out]
+    for param in params + ([block.attention.sinks] if config.sinks else []):
+      param[...] = 0.1 * jnp.asarray(rng.standard_normal(param.shape), param[...].dtype)
     block.mlp_norm.scale[...] = block.mlp_norm.scale[...] * 1.5
+  model.final_norm.bias[...] = 0.1 * jnp.asarray(rng.standard_normal(F), jnp.float32)
   tokens = np.random.default_rng(2).integers(0, V, (B, T)).astype(np.int32)
   lengths = np.array([T, 5] if with_lengths else [T, T], np.int32)
   got = model(jnp.asarray(tokens), lengths=jnp.asarray(lengths) if with_lengths else None)
