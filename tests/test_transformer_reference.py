@@ -39,17 +39,18 @@ def _rope(x, base):
   return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _attention(x, attn, config, lengths, window=None):
+def _attention(x, attn, config, lengths, window=None, weights=None):
   """Causal multi-head attention of x [B, T, F] with K kv heads, loops over heads;
   window w: keys t - w <= s <= t only; logits capped at cap * tanh(logit / cap);
-  sinks: p = exp(l) / (exp(sink[n]) + sum_s exp(l))."""
+  sinks: p = exp(l) / (exp(sink[n]) + sum_s exp(l)). Appends p [B, N, T, S] to
+  `weights` if given."""
   q = np.einsum("btf,fnh->btnh", x, _a(attn.query.kernel)) + _a(attn.query.bias)
   k = np.einsum("btf,fkh->btkh", x, _a(attn.key.kernel)) + _a(attn.key.bias)
   v = np.einsum("btf,fkh->btkh", x, _a(attn.value.kernel)) + _a(attn.value.bias)
   if config.position_encoding == "rope":
     q, k = _rope(q, config.rope_base), _rope(k, config.rope_base)
   N, K, H = q.shape[2], k.shape[2], q.shape[3]
-  out = np.zeros(q.shape)
+  out, probabilities = np.zeros(q.shape), np.zeros((B, N, T, T))
   for b in range(B):
     for n in range(N):
       kv = n // (N // K)  # the kv head shared by this query head
@@ -65,12 +66,16 @@ def _attention(x, attn, config, lengths, window=None):
       m = np.where(np.isfinite(m), m, 0)
       w = np.where(allowed, np.exp(logits - m), 0)
       w = w / np.maximum(w.sum(-1, keepdims=True) + np.exp(sink - m), 1e-300)
-      out[b, :, n] = w @ v[b, :, kv]
+      out[b, :, n], probabilities[b, n] = w @ v[b, :, kv], w
+  if weights is not None:
+    weights.append(probabilities)
   return np.einsum("btnh,nhf->btf", out, _a(attn.out.kernel)) + _a(attn.out.bias)
 
 
-def reference_logits(model, config, tokens, lengths):
-  """The model's logits [B, T, V], written out in float64 from its weights."""
+def reference_logits(model, config, tokens, lengths, weights=None, hidden=False):
+  """The model's logits [B, T, V], written out in float64 from its weights (with
+  hidden=True the normalised last residual stream [B, T, F] instead); each layer's
+  attention weights appended to `weights` if given."""
   tokens = np.asarray(tokens)
   x = _a(model.token_embed.embedding)[tokens]  # [B, T, F]
   if config.previous_token_embedding:
@@ -83,11 +88,12 @@ def reference_logits(model, config, tokens, lengths):
   for i, block in enumerate(model.blocks):
     window = pattern[i % len(pattern)] if pattern else None
     x = x + _attention(_layer_norm(x, block.attention_norm), block.attention, config,
-                       lengths, window)
+                       lengths, window, weights)
     h = _layer_norm(x, block.mlp_norm)
     h = _gelu(h @ _a(block.mlp.w_in) + _a(block.mlp.b_in))
     x = x + h @ _a(block.mlp.w_out) + _a(block.mlp.b_out)
-  return _layer_norm(x, model.final_norm) @ _a(model.head)
+  x = _layer_norm(x, model.final_norm)
+  return x if hidden else x @ _a(model.head)
 
 
 CONFIGS = {
@@ -123,4 +129,26 @@ def test_forward_matches_plain_float64_model(name, with_lengths):
   lengths = np.array([T, 5] if with_lengths else [T, T], np.int32)
   got = model(jnp.asarray(tokens), lengths=jnp.asarray(lengths) if with_lengths else None)
   np.testing.assert_allclose(got, reference_logits(model, config, tokens, lengths),
+                             rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_sown_weights_and_taken_positions_match_the_plain_model(layout):
+  """sow_weights=True stores each layer's weights [B, N, T, S]; take(hidden, positions)
+  picks the rows [B, P, F] (columns [B, F, P]) the training example's loss reads."""
+  config = TransformerConfig(vocab_size=V, max_len=T, num_layers=2, features=F, num_heads=2,
+                             mlp_features=E, layout=layout)
+  model = Transformer(config, rngs=nnx.Rngs(3))
+  tokens = np.random.default_rng(4).integers(0, V, (B, T)).astype(np.int32)
+  weights = []
+  hidden = reference_logits(model, config, tokens, [T, T], weights, hidden=True)
+  forward = nnx.capture(lambda m, t: m.hidden(t, sow_weights=True), nnx.Intermediate)
+  got_hidden, sown = forward(model, jnp.asarray(tokens))
+  for block, want in zip(nnx.to_pure_dict(sown)["blocks"].values(), weights, strict=True):
+    np.testing.assert_allclose(block["attention"]["attention_weights"][0], want,
+                               rtol=2e-4, atol=2e-5)
+  positions = np.array([[0, 4, 8], [7, 7, 2]], np.int32)  # [B, P]
+  want = np.stack([hidden[b, positions[b]] for b in range(B)])  # [B, P, F]
+  got = model.take(got_hidden, jnp.asarray(positions))
+  np.testing.assert_allclose(got if layout == "rows" else np.swapaxes(got, 1, 2), want,
                              rtol=2e-4, atol=2e-4)
