@@ -51,7 +51,9 @@ TARGETS = {
     "jattn/_kv_cache.py": "tests/test_decode.py",
     "jattn/rope.py": "tests/test_rope.py tests/test_transformer_reference.py -k 'rope or Rope'",
     "jattn/_masks.py": "tests/test_masks.py tests/test_edges.py",
-    "jattn/_xla.py": "tests/test_dtypes.py tests/test_dot_product_attention.py -k 'xla or reference'",
+    "jattn/_xla.py": "tests/test_dot_product_attention.py tests/test_mods.py::test_everything_at_once_in_order "
+                     "tests/test_mods.py::test_return_weights_with_mods tests/test_dropin_jax.py "
+                     "tests/test_dtypes.py -k 'xla or reference'",
     "jattn/_attention.py": "tests/test_single_head.py tests/test_mods.py::test_layouts -k 'not script'",
     "jattn/transformer.py": "tests/test_transformer_reference.py "
                             "tests/test_decode.py::test_transformer_decoding_equals_full_pass_and_layouts_agree",
