@@ -528,8 +528,9 @@ def test_dropout_rate_zero_is_identity():
                              atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "vmap"])
-def test_dropout_drops_weights_with_inverted_scaling(implementation):
+@pytest.mark.parametrize("implementation, layout", [
+    ("xla", "BTNH"), ("vmap", "BTNH"), ("vmap", "BNHT")])  # BNHT: the columns path
+def test_dropout_drops_weights_with_inverted_scaling(implementation, layout):
   """With one-hot values, out = weights * keep / (1 - rate), keep in {0, 1}."""
   rate = 0.4
   rng = np.random.default_rng(61)
@@ -538,12 +539,14 @@ def test_dropout_drops_weights_with_inverted_scaling(implementation):
   k = randn(rng, (B, S, N, H))
   v = np.broadcast_to(np.eye(S, dtype=np.float32)[None, :, None, :],
                       (B, S, N, S)).copy()
-  out, weights = run(q, k, v, implementation=implementation,
+  to = (lambda x: x) if layout == "BTNH" else (lambda x: x.transpose(0, 2, 3, 1))
+  out, weights = run(to(q), to(k), to(v), implementation=implementation, layout=layout,
                      dropout_rate=rate, dropout_rng=jax.random.key(7),
                      return_weights=True)
   want_w = reference_attention(q, k, v, return_weights=True)[1]
   np.testing.assert_allclose(weights, want_w, atol=ATOL, rtol=RTOL)
-  dropped = np.asarray(out, np.float64).transpose(0, 2, 1, 3)  # [B, N, T, S]
+  out = np.asarray(out, np.float64)
+  dropped = out.transpose(0, 2, 1, 3) if layout == "BTNH" else out.transpose(0, 1, 3, 2)
   keep = dropped * (1 - rate) / want_w
   kept = np.isclose(keep, 1.0, atol=1e-4)
   zero = np.abs(dropped) < 1e-7

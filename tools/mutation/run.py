@@ -54,7 +54,9 @@ TARGETS = {
     "jattn/_xla.py": "tests/test_dot_product_attention.py tests/test_mods.py::test_everything_at_once_in_order "
                      "tests/test_mods.py::test_return_weights_with_mods tests/test_dropin_jax.py "
                      "tests/test_dtypes.py -k 'xla or reference'",
-    "jattn/_attention.py": "tests/test_single_head.py tests/test_mods.py::test_layouts -k 'not script'",
+    "jattn/_attention.py": "tests/test_single_head.py tests/test_mods.py::test_layouts "
+                           "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
+                           "-k 'not script'",
     "jattn/transformer.py": "tests/test_transformer_reference.py "
                             "tests/test_decode.py::test_transformer_decoding_equals_full_pass_and_layouts_agree",
     "jattn/_blockwise.py": "tests/test_edges.py tests/test_dtypes.py tests/test_blockwise.py",
