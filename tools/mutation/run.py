@@ -57,8 +57,8 @@ TARGETS = {
     "jattn/_attention.py": "tests/test_single_head.py tests/test_mods.py::test_layouts "
                            "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
                            "-k 'not script'",
-    "jattn/transformer.py": "tests/test_transformer_reference.py "
-                            "tests/test_decode.py::test_transformer_decoding_equals_full_pass_and_layouts_agree",
+    "jattn/transformer.py": "tests/test_decode.py::test_transformer_decoding_equals_full_pass_and_layouts_agree "
+                            "tests/test_transformer_reference.py",
     "jattn/_blockwise.py": "tests/test_edges.py tests/test_dtypes.py tests/test_blockwise.py",
     "jattn/_ring.py": "tests/test_ring.py",
 }
