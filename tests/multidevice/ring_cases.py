@@ -8,6 +8,7 @@ case; the full set adds the plain non-causal, causal zig-zag and causal contiguo
 cases, segments on the zig-zag, and the unbatched layout TNH.
 """
 
+import os
 import sys
 
 import jax
@@ -43,6 +44,8 @@ def check(name, ring_fn, ref_fn, arrays):
   ok = all(e <= ATOL for e in errors) and all(np.all(np.isfinite(g)) for g in grads)
   print(f"{'ok  ' if ok else 'FAIL'} {name}: max |err| out, dq, dk, dv = "
         + ", ".join(f"{e:.1e}" for e in errors), flush=True)
+  if not ok and os.environ.get("JATTN_FAIL_FAST"):  # tools/mutation/run.py: one is enough
+    sys.exit(1)
   return ok
 
 

@@ -36,7 +36,8 @@ COPIED = ("jattn", "tests", "examples", "configs", "pyproject.toml")
 PY = sys.executable
 # A mutant that leaves a function's HLO unchanged reuses its compilation.
 CACHE = dict(JAX_COMPILATION_CACHE_DIR=str(WORK.parent / "jattn-mutation-jax-cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JATTN_FAIL_FAST="1")  # the multi-device scripts stop at their first failure
 PYTEST = f"{PY} -m pytest -x -q -p no:cacheprovider"
 
 # file -> the tests that exercise it (fast, default tier, deterministic)
