@@ -102,16 +102,15 @@ CONFIGS = {
                                       num_kv_heads=2, previous_token_embedding=True),
     "learned_previous_mqa_blockwise": dict(num_kv_heads=1, previous_token_embedding=True,
                                            implementation="blockwise"),
-    "rope_rows_gqa": dict(position_encoding="rope", num_kv_heads=2, rope_base=100.0),
     # layer 0 a window of 2 keys back, layer 1 global; capped logits; sinks
-    "window_softcap_sinks": dict(attention_pattern=(2, None), logit_soft_cap=1.5, sinks=True),
+    "rope_rows_gqa_window_softcap_sinks": dict(
+        position_encoding="rope", num_kv_heads=2, rope_base=100.0,
+        attention_pattern=(2, None), logit_soft_cap=1.5, sinks=True),
 }
 
 
-@pytest.mark.parametrize("name, with_lengths", [
-    (name, lengths) for name in sorted(CONFIGS) for lengths in (False, True)
-    if name != "window_softcap_sinks" or lengths], ids=lambda v: {
-        False: "full", True: "lengths"}.get(v, v) if isinstance(v, bool) else v)
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["full", "lengths"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_forward_matches_plain_float64_model(name, with_lengths):
   config = TransformerConfig(vocab_size=V, max_len=T + 3, num_layers=2, features=F,
                              num_heads=4, mlp_features=E, **CONFIGS[name])
