@@ -151,3 +151,16 @@ def test_sown_weights_and_taken_positions_match_the_plain_model(layout):
   got = model.take(got_hidden, jnp.asarray(positions))
   np.testing.assert_allclose(got if layout == "rows" else np.swapaxes(got, 1, 2), want,
                              rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.thorough  # ~10 s (dropout's compilation); tools/mutation/run.py runs it
+def test_deterministic_call_drops_nothing():
+  """dropout_rate > 0: deterministic=True gives the plain model's logits, False does not."""
+  config = TransformerConfig(vocab_size=V, max_len=T, num_layers=1, features=F, num_heads=2,
+                             mlp_features=E, dropout_rate=0.5)
+  model = Transformer(config, rngs=nnx.Rngs(5))
+  tokens = np.random.default_rng(6).integers(0, V, (B, T)).astype(np.int32)
+  got = model(jnp.asarray(tokens), deterministic=True)
+  np.testing.assert_allclose(got, reference_logits(model, config, tokens, [T, T]),
+                             rtol=2e-4, atol=2e-4)
+  assert not np.allclose(model(jnp.asarray(tokens), deterministic=False), got, atol=1e-3)
