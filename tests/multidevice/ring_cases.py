@@ -3,9 +3,10 @@
 Run by tests/test_ring.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8, so that the rest of the
 suite keeps one device. Exits non-zero, naming the case, on any mismatch.
-"quick" (the default tier): 7 of the 12 checks, segments on the contiguous causal
-case; the full set adds the plain non-causal, causal zig-zag and causal contiguous
-cases, segments on the zig-zag, and the unbatched layout TNH.
+"quick" (the default tier): 7 of the 12 checks, the lengths with several blocks per
+device in contiguous order (zig-zag in the 2x2x2 case); the full set adds the plain
+non-causal, causal zig-zag and causal contiguous cases, the lengths with several
+blocks in zig-zag order, and the unbatched layout TNH.
 """
 
 import os
@@ -63,14 +64,16 @@ def main():
   seq = Mesh(np.array(jax.devices()), ("seq",))
   cube = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "model", "seq"))
 
+  lengths_blocks = ("causal + lengths (a row with no key), several blocks per device", seq,
+                    dict(is_causal=True, **lengths), dict(block_sizes=jattn.BlockSizes(q=2, kv=3)))
+  cube_case = ("2x2x2 mesh: data, model, seq", cube, dict(is_causal=True, **lengths),
+               dict(batch_axis_name="data", head_axis_name="model"))
   if "quick" in sys.argv:
     cases = [
-        ("causal + segments, contiguous", seq, dict(is_causal=True, **segments),
-         dict(load_balance=False)),
-        ("causal + lengths (a row with no key), several blocks per device", seq,
-         dict(is_causal=True, **lengths), dict(block_sizes=jattn.BlockSizes(q=2, kv=3))),
-        ("2x2x2 mesh: data, model, seq", cube, dict(is_causal=True, **lengths),
-         dict(batch_axis_name="data", head_axis_name="model")),
+        ("causal + segments", seq, dict(is_causal=True, **segments), {}),
+        (lengths_blocks[0] + ", contiguous", seq, lengths_blocks[2],
+         dict(lengths_blocks[3], load_balance=False)),
+        cube_case,
     ]
   else:
     cases = [
@@ -78,12 +81,10 @@ def main():
         ("causal, zig-zag", seq, dict(is_causal=True), {}),
         ("causal, contiguous", seq, dict(is_causal=True), dict(load_balance=False)),
         ("causal + segments", seq, dict(is_causal=True, **segments), {}),
-        ("causal + segments, contiguous", seq, dict(is_causal=True, **segments),
-         dict(load_balance=False)),
-        ("causal + lengths (a row with no key), several blocks per device", seq,
-         dict(is_causal=True, **lengths), dict(block_sizes=jattn.BlockSizes(q=2, kv=3))),
-        ("2x2x2 mesh: data, model, seq", cube, dict(is_causal=True, **lengths),
-         dict(batch_axis_name="data", head_axis_name="model")),
+        lengths_blocks,
+        (lengths_blocks[0] + ", contiguous", seq, lengths_blocks[2],
+         dict(lengths_blocks[3], load_balance=False)),
+        cube_case,
     ]
   ok = True
   for name, mesh, common, ring_only in cases:

@@ -6,6 +6,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 ("quick": two of the three
 cases, for the default tier). Exits non-zero on any mismatch.
 """
 
+import os
 import sys
 
 import jax
@@ -35,6 +36,8 @@ def check(name, ring_fn, ref_fn, arrays):
   ok = all(e <= TOL for e in errors) and all(np.all(np.isfinite(g)) for g in grads)
   print(f"{'ok  ' if ok else 'FAIL'} {name}: relative max |err| out, grads = "
         + ", ".join(f"{e:.1e}" for e in errors), flush=True)
+  if not ok and os.environ.get("JATTN_FAIL_FAST"):  # tools/mutation/run.py: one is enough
+    sys.exit(1)
   return ok
 
 

@@ -62,7 +62,7 @@ TARGETS = {
                             "tests/test_decode.py::test_transformer_row_that_skips_a_call_keeps_its_previous_token "
                             "tests/test_transformer_reference.py -m ''",  # -m '': thorough ones too
     "jattn/_blockwise.py": "tests/test_edges.py tests/test_dtypes.py tests/test_blockwise.py",
-    "jattn/_ring.py": "tests/test_ring.py",
+    "jattn/_ring.py": "tests/test_ring.py tests/test_ring_mods.py",
 }
 
 # Everything but the hand-planted kinds of bug (cosmic-ray also swaps + for **, <<,
