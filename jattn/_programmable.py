@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _checks
+from jattn._closed_form_blocks import is_closed_form
 
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 _SCORE = jax.ShapeDtypeStruct((), jnp.float32)
@@ -32,7 +33,9 @@ class Mods:
 
   mask_jaxpr / score_jaxpr: the traced mods (static), evaluated by `mask` and
   `score` with their consts; sinks float [N] or None; block_mask a
-  `jattn.BlockMask` or None.
+  `jattn.BlockMask` or None; mask_mod: the user's mask_mod itself when it is a
+  ready-made jattn.mods mask (a pytree, so it rides along under jit), whose
+  block classes are then known in closed form (`_closed_form_blocks`), else None.
   """
 
   mask_jaxpr: object = None
@@ -41,9 +44,11 @@ class Mods:
   score_consts: tuple = ()
   sinks: jax.Array | None = None
   block_mask: object = None
+  mask_mod: object = None
 
   def tree_flatten(self):
-    children = (self.mask_consts, self.score_consts, self.sinks, self.block_mask)
+    children = (self.mask_consts, self.score_consts, self.sinks, self.block_mask,
+                self.mask_mod)
     return children, (self.mask_jaxpr, self.score_jaxpr)
 
   @classmethod
@@ -80,6 +85,15 @@ class Mods:
 
   def without_score_consts(self) -> "Mods":
     return dataclasses.replace(self, score_consts=())
+
+  def gradients(self, *, sinks, score_consts) -> "Mods":
+    """A cotangent of this value: d sinks and d score_consts (each None or float32,
+    cast to the primal dtypes), None (zero) for the rest."""
+    return dataclasses.replace(
+        self, mask_consts=(None,) * len(self.mask_consts), sinks=sinks, block_mask=None,
+        mask_mod=None,
+        score_consts=tuple(None if d is None else d.astype(c.dtype)
+                           for d, c in zip(score_consts, self.score_consts)))
 
 
 def _check_arity(name: str, fn, arity: int, call: str) -> None:
@@ -128,6 +142,8 @@ def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int) -> Mods | None
     _check_arity("mask_mod", mask_mod, 4, call)
     closed = _trace("mask_mod", mask_mod, (_INDEX,) * 4, call, "bool")
     fields.update(mask_jaxpr=closed.jaxpr, mask_consts=tuple(closed.consts))
+    if is_closed_form(mask_mod):
+      fields["mask_mod"] = mask_mod
   if score_mod is not None:
     call = "(score, b, n, t, s) -> float"
     _check_arity("score_mod", score_mod, 5, call)
