@@ -88,6 +88,7 @@ def forward_with_count(query, key, value, modifiers: Modifiers, layout: Layout, 
                        kv_offset, block_sizes: BlockSizes):
   """`forward`, and also the number of (q block, kv block) pairs computed (int32)."""
   g = _Grid(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)
+  classes = g.classes  # [nq, nk] or None: once, before the loops (not per query block)
   D = value.shape[layout.axis("D")]
   q_rows, k_cols, v_rows = g.q_rows, g.k_cols, g.v_rows
 
@@ -130,13 +131,13 @@ def forward_with_count(query, key, value, modifiers: Modifiers, layout: Layout, 
     rows = (g.B, g.K, g.R)
     carry = (jnp.full(rows, LARGE_NEGATIVE, g.acc), jnp.zeros(rows, g.acc),
              jnp.zeros(rows + (D,), g.acc), count)
-    if g.classes is None:
+    if classes is None:
       carry = lax.fori_loop(lo, vis_lo, step(True), carry)
       carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
       m, l, o, count = lax.fori_loop(vis_hi, hi, step(True), carry)
     else:  # the mask_mod's classes: full blocks first (no mask_mod), then partial
       order, n_full, n_some = _by_class(
-          jnp.minimum(g.classes[i], _plan_classes(g, g.nk, lo, hi, vis_lo, vis_hi)))
+          jnp.minimum(classes[i], _plan_classes(g, g.nk, lo, hi, vis_lo, vis_hi)))
       carry = lax.fori_loop(0, n_full, _gathered(step(g.needs_mask, False), order), carry)
       m, l, o, count = lax.fori_loop(n_full, n_some, _gathered(step(True), order), carry)
     seen = l > 0.0
@@ -169,6 +170,7 @@ def backward_with_score_grads(query, key, value, modifiers: Modifiers, layout: L
   all read row-major operands; dQ is accumulated transposed, [I, B, K, H, R].
   """
   g = _Grid(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)
+  classes = g.classes  # [nq, nk] or None: once, before the loops (not per kv block)
   H = query.shape[layout.axis("H")]
   out_sub = g.out_sub
   # delta[b, k, g, t] = sum_d d_out * out: the row term of the softmax gradient.
@@ -235,13 +237,13 @@ def backward_with_score_grads(query, key, value, modifiers: Modifiers, layout: L
 
     carry = (dq_t, d_bias, d_consts, jnp.zeros((g.B, g.K, g.bk, H), g.acc),
              jnp.zeros(vb.shape, g.acc))
-    if g.classes is None:
+    if classes is None:
       carry = lax.fori_loop(lo, vis_lo, step(True), carry)
       carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
       dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(vis_hi, hi, step(True), carry)
     else:
       order, n_full, n_some = _by_class(
-          jnp.minimum(g.classes[:, j], _plan_classes(g, g.nq, lo, hi, vis_lo, vis_hi)))
+          jnp.minimum(classes[:, j], _plan_classes(g, g.nq, lo, hi, vis_lo, vis_hi)))
       carry = lax.fori_loop(0, n_full, _gathered(step(g.needs_mask, False), order), carry)
       dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(
           n_full, n_some, _gathered(step(True), order), carry)
