@@ -81,3 +81,23 @@ def test_unrecognised_masks_are_left_to_mask_mod():
   assert closed_form_classes(lambda b, n, t, s: s <= t, B, T, S, BQ, BK) is None
   assert closed_form_classes(mods.and_masks(mods.causal(), lambda b, n, t, s: s > 0),
                              B, T, S, BQ, BK) is None
+
+
+def test_blockwise_uses_the_closed_form_not_mask_mod_on_every_block(monkeypatch):
+  """A ready-made mask passed in the call is classified without evaluating mask_mod on
+  the whole grid (that path is made to fail here), and the result is still right."""
+  import jattn
+  from jattn import _blockwise
+  from tests.test_mods import BS, IDS_KV, IDS_Q, KEY, Q, V, reference
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("mask_mod evaluated on every block of a ready-made mask")
+
+  monkeypatch.setattr(_blockwise, "classify", refuse)
+  mask_mod = mods.and_masks(mods.document(IDS_Q, IDS_KV), mods.causal())
+  got = jattn.dot_product_attention(Q, KEY, V, mask_mod=mask_mod, implementation="blockwise",
+                                    block_sizes=BS)
+  t, s = np.arange(Q.shape[1])[:, None], np.arange(KEY.shape[1])[None, :]
+  allowed = (IDS_Q[:, None, :, None] == IDS_KV[:, None, None, :]) & (s <= t)
+  np.testing.assert_allclose(got, reference(Q, KEY, V, allowed=allowed)[0], rtol=2e-5,
+                             atol=2e-5)
