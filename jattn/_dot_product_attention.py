@@ -201,7 +201,7 @@ def dot_product_attention(
                      ("broadcast_dropout", broadcast_dropout)):
     if not isinstance(flag, bool):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
-  mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N)
+  mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N, defer_ready_made=True)
   impl = _resolve_implementation(
       implementation, block_sizes, platform=jax.devices()[0].platform, dims=dims,
       dtype=query.dtype, dropout_rate=float(dropout_rate),
@@ -225,9 +225,10 @@ def dot_product_attention(
     scale = jnp.asarray(scale)  # traced, as before: a new scale compiles nothing new
   modifiers = Modifiers(bias=bias, mask=mask, structure=structure, mods=mods,
                         dropout=dropout, scale=scale)
-  # Mods hold functions traced for this call: a jit cache would never hit, so
-  # they run inside the caller's trace instead.
-  compute = _compute if mods is None else _compute.__wrapped__
+  # Mods holding a user's function traced for this call would never hit a jit
+  # cache (and fill it), so they run inside the caller's trace instead; ready-made
+  # mask mods and sinks are traced inside the jit, which caches on their static fields.
+  compute = _compute if mods is None or mods.is_cacheable else _compute.__wrapped__
   out, weights, lse = compute(
       query, key, value, modifiers, layout=lay, impl=impl, block_sizes=block_sizes,
       return_weights=return_weights, return_residual=return_residual)
@@ -251,6 +252,8 @@ def _compute(query, key, value, modifiers: Modifiers, *, layout, impl, block_siz
              return_weights, return_residual):
   """Runs implementation `impl`; its flags (causal, window, dropout rate, a
   Python scale) are static parts of the modifiers' pytree, so jit keys on them."""
+  if modifiers.mods is not None:
+    modifiers = modifiers.replace(mods=modifiers.mods.traced())
   fn = _IMPLEMENTATIONS[impl]
   if impl == "blockwise":
     fn = functools.partial(fn, block_sizes=block_sizes)

@@ -57,7 +57,28 @@ class Mods:
 
   @property
   def has_mask(self) -> bool:
-    return self.mask_jaxpr is not None
+    return self.mask_jaxpr is not None or self.mask_mod is not None
+
+  @property
+  def is_traced(self) -> bool:
+    """False while a ready-made mask_mod waits to be traced (`traced`), inside jit."""
+    return self.mask_mod is None or self.mask_jaxpr is not None
+
+  def traced(self) -> "Mods":
+    """This value with a ready-made mask_mod traced to its jaxpr; its array leaves (traced
+    under jit) become the consts. Deferred to here so that a jit keyed on the mod's
+    static fields alone caches across calls."""
+    if self.is_traced:
+      return self
+    closed = _trace("mask_mod", self.mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool")
+    return dataclasses.replace(self, mask_jaxpr=closed.jaxpr, mask_consts=tuple(closed.consts))
+
+  @property
+  def is_cacheable(self) -> bool:
+    """Whether nothing static in this value is traced per call (no jaxpr of a user's
+    function), so that a jit keyed on it caches across calls."""
+    return self.score_jaxpr is None and self.block_mask is None and (
+        self.mask_jaxpr is None)
 
   @property
   def has_score(self) -> bool:
@@ -132,18 +153,26 @@ def _trace(name: str, fn, args, call: str, want: str):
   return closed
 
 
-def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int) -> Mods | None:
-  """Checks the programmable arguments (before any work) and bundles them; None if all absent."""
+_MASK_CALL = "(b, n, t, s) -> bool"
+
+
+def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
+               defer_ready_made: bool = False) -> Mods | None:
+  """Checks the programmable arguments (before any work) and bundles them; None if all absent.
+
+  defer_ready_made: keep a ready-made mask_mod (jattn.mods) untraced, for `Mods.traced`
+  to trace inside the caller's jit (then the value is `is_cacheable`)."""
   if mask_mod is None and score_mod is None and sinks is None and block_mask is None:
     return None
   fields = {}
   if mask_mod is not None:
-    call = "(b, n, t, s) -> bool"
-    _check_arity("mask_mod", mask_mod, 4, call)
-    closed = _trace("mask_mod", mask_mod, (_INDEX,) * 4, call, "bool")
+    _check_arity("mask_mod", mask_mod, 4, _MASK_CALL)
+    closed = _trace("mask_mod", mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool")
     fields.update(mask_jaxpr=closed.jaxpr, mask_consts=tuple(closed.consts))
     if is_closed_form(mask_mod):
       fields["mask_mod"] = mask_mod
+      if defer_ready_made:  # checked above; traced again inside jit by Mods.traced
+        fields.update(mask_jaxpr=None, mask_consts=())
   if score_mod is not None:
     call = "(score, b, n, t, s) -> float"
     _check_arity("score_mod", score_mod, 5, call)
