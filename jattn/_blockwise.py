@@ -12,22 +12,24 @@ partial results over several key/value ranges (a ring across devices) and
 define its own gradient. `_blockwise_attention.py` builds the public path
 from them.
 
-    forward(query, key, value, bias, mask, spec, dropout, scale, layout,
-            q_offset, kv_offset, block_sizes) -> (out, lse)
-    backward(query, key, value, bias, mask, spec, dropout, scale, layout,
-             q_offset, kv_offset, block_sizes, out, lse, d_out)
-        -> (d_query, d_key, d_value, d_bias)
+    forward(query, key, value, modifiers, layout, q_offset, kv_offset,
+            block_sizes) -> (out, lse)
+    backward(query, key, value, modifiers, layout, q_offset, kv_offset,
+             block_sizes, out, lse, d_out) -> (d_query, d_key, d_value, d_bias)
 
   query, key, value: one range of T queries and S keys/values, in `layout`
     (a `Layout` with B): e.g. query [B, T, N, H], key [B, S, K, H],
     value [B, S, K, D] for "BTNH". K divides N; K/V are not copied per group.
-  bias, mask: None or logical [B|1, N|1, T|1, S|1] over this range (local).
-  spec: `MaskSpec`; its lengths [B] are global (compared with global
-    positions), its segment ids local: q [B, T] and kv [B, S] of this range.
-  dropout: None or `Dropout`; block (i, j) draws from
-    fold_in(fold_in(rng, global first query), global first key), so a result
-    is reproducible from the rng and the block sizes (not equal to "xla"'s draw).
-  scale: multiplies the logits. q_offset, kv_offset: global position of the
+  modifiers: `Modifiers` of this range pair:
+    bias, mask: None or logical [B|1, N|1, T|1, S|1] over this range (local).
+    structure: `MaskSpec`; its lengths [B] are global (compared with global
+      positions), its segment ids local: q [B, T] and kv [B, S] of this range.
+    mods: mask_mod and score_mod see global positions.
+    dropout: None or `Dropout`; block (i, j) draws from
+      fold_in(fold_in(rng, global first query), global first key), so a result
+      is reproducible from the rng and the block sizes (not "xla"'s draw).
+    scale: multiplies the logits.
+  q_offset, kv_offset: global position of the
     first query / key of this range (ints or int32 scalars, may be traced).
   block_sizes: `BlockSizes`; clipped to T and S, remainders padded and masked.
 
@@ -53,9 +55,10 @@ from jax import lax
 from jattn import _block_plan
 from jattn._block_mask import EMPTY, FULL, PARTIAL, classify
 from jattn._block_sizes import BlockSizes
+from jattn._closed_form_blocks import closed_form_classes
 from jattn._dense import Dropout
 from jattn._layout import Layout
-from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 from jattn._programmable import on_grid
 from jattn._softmax import LARGE_NEGATIVE, logits_dtype
 from jattn._xla import grouped_logical, split_heads
@@ -73,19 +76,19 @@ _LOGITS = "BKRS"  # forward: one block of logits, rows by keys
 _LOGITS_T = "BKSR"  # backward: one block of logits transposed, keys by rows
 
 
-def forward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | None,
-            scale, layout: Layout, q_offset, kv_offset, block_sizes: BlockSizes):
+def forward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, kv_offset,
+            block_sizes: BlockSizes):
   """One query range against one key/value range; see the module docstring."""
-  out, lse, _ = forward_with_count(query, key, value, bias, mask, spec, dropout, scale,
-                                   layout, q_offset, kv_offset, block_sizes)
+  out, lse, _ = forward_with_count(query, key, value, modifiers, layout, q_offset, kv_offset,
+                                   block_sizes)
   return out, lse
 
 
-def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layout,
-                       q_offset, kv_offset, block_sizes):
+def forward_with_count(query, key, value, modifiers: Modifiers, layout: Layout, q_offset,
+                       kv_offset, block_sizes: BlockSizes):
   """`forward`, and also the number of (q block, kv block) pairs computed (int32)."""
-  g = _Grid(query, key, value, bias, mask, spec, dropout, scale, layout,
-            q_offset, kv_offset, block_sizes)
+  g = _Grid(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)
+  classes = g.classes  # [nq, nk] or None: once, before the loops (not per query block)
   D = value.shape[layout.axis("D")]
   q_rows, k_cols, v_rows = g.q_rows, g.k_cols, g.v_rows
 
@@ -128,13 +131,13 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
     rows = (g.B, g.K, g.R)
     carry = (jnp.full(rows, LARGE_NEGATIVE, g.acc), jnp.zeros(rows, g.acc),
              jnp.zeros(rows + (D,), g.acc), count)
-    if g.classes is None:
+    if classes is None:
       carry = lax.fori_loop(lo, vis_lo, step(True), carry)
       carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
       m, l, o, count = lax.fori_loop(vis_hi, hi, step(True), carry)
     else:  # the mask_mod's classes: full blocks first (no mask_mod), then partial
       order, n_full, n_some = _by_class(
-          jnp.minimum(g.classes[i], _plan_classes(g, g.nk, lo, hi, vis_lo, vis_hi)))
+          jnp.minimum(classes[i], _plan_classes(g, g.nk, lo, hi, vis_lo, vis_hi)))
       carry = lax.fori_loop(0, n_full, _gathered(step(g.needs_mask, False), order), carry)
       m, l, o, count = lax.fori_loop(n_full, n_some, _gathered(step(True), order), carry)
     seen = l > 0.0
@@ -150,18 +153,15 @@ def forward_with_count(query, key, value, bias, mask, spec, dropout, scale, layo
   return out, lse, count
 
 
-def backward(query, key, value, bias, mask, spec: MaskSpec, dropout: Dropout | None,
-             scale, layout: Layout, q_offset, kv_offset, block_sizes: BlockSizes,
-             out, lse, d_out):
+def backward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, kv_offset,
+             block_sizes: BlockSizes, out, lse, d_out):
   """Gradients of one range pair's share; see the module docstring."""
-  return backward_with_score_grads(
-      query, key, value, bias, mask, spec, dropout, scale, layout, q_offset, kv_offset,
-      block_sizes, out, lse, d_out)[:4]
+  return backward_with_score_grads(query, key, value, modifiers, layout, q_offset, kv_offset,
+                                   block_sizes, out, lse, d_out)[:4]
 
 
-def backward_with_score_grads(query, key, value, bias, mask, spec: MaskSpec,
-                              dropout: Dropout | None, scale, layout: Layout, q_offset,
-                              kv_offset, block_sizes: BlockSizes, out, lse, d_out):
+def backward_with_score_grads(query, key, value, modifiers: Modifiers, layout: Layout,
+                              q_offset, kv_offset, block_sizes: BlockSizes, out, lse, d_out):
   """`backward`, and the gradients of the arrays score_mod captured (a tuple:
   float32 for the floating ones, None for the others; () without score_mod).
 
@@ -169,8 +169,8 @@ def backward_with_score_grads(query, key, value, bias, mask, spec: MaskSpec,
   products summed over rows (dV = P^T dO, dK = dS^T Q) and dQ^T = K^T dS^T
   all read row-major operands; dQ is accumulated transposed, [I, B, K, H, R].
   """
-  g = _Grid(query, key, value, bias, mask, spec, dropout, scale, layout,
-            q_offset, kv_offset, block_sizes)
+  g = _Grid(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)
+  classes = g.classes  # [nq, nk] or None: once, before the loops (not per kv block)
   H = query.shape[layout.axis("H")]
   out_sub = g.out_sub
   # delta[b, k, g, t] = sum_d d_out * out: the row term of the softmax gradient.
@@ -230,20 +230,20 @@ def backward_with_score_grads(query, key, value, bias, mask, spec: MaskSpec,
         dk = dk + jnp.einsum(f"{_LOGITS_T},BKRH->BKSH", ds_t, _at(q_rows, i),
                              preferred_element_type=g.acc)
         dq_i = jnp.einsum(f"BKHS,{_LOGITS_T}->BKHR", kb_t, ds_t,
-                          preferred_element_type=g.acc) * jnp.asarray(scale, g.acc)
+                          preferred_element_type=g.acc) * jnp.asarray(g.scale, g.acc)
         dq_t = lax.dynamic_update_index_in_dim(dq_t, _at(dq_t, i) + dq_i, i, 0)
         return dq_t, d_bias, d_consts, dk, dv
       return g.skip_unless_segments_meet(body, j, kv_outer=True)
 
     carry = (dq_t, d_bias, d_consts, jnp.zeros((g.B, g.K, g.bk, H), g.acc),
              jnp.zeros(vb.shape, g.acc))
-    if g.classes is None:
+    if classes is None:
       carry = lax.fori_loop(lo, vis_lo, step(True), carry)
       carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
       dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(vis_hi, hi, step(True), carry)
     else:
       order, n_full, n_some = _by_class(
-          jnp.minimum(g.classes[:, j], _plan_classes(g, g.nq, lo, hi, vis_lo, vis_hi)))
+          jnp.minimum(classes[:, j], _plan_classes(g, g.nq, lo, hi, vis_lo, vis_hi)))
       carry = lax.fori_loop(0, n_full, _gathered(step(g.needs_mask, False), order), carry)
       dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(
           n_full, n_some, _gathered(step(True), order), carry)
@@ -258,8 +258,16 @@ def backward_with_score_grads(query, key, value, bias, mask, spec: MaskSpec,
   d_key, d_value = (_unblock(x, f"JBKS{c}", sub, g.S) for x, sub, c in (
       (dk, g.k_sub, "H"), (dv, g.v_sub, "D")))
   if d_bias is not None:
-    d_bias = d_bias[tuple(slice(0, n) for n in bias.shape)]
+    d_bias = d_bias[tuple(slice(0, n) for n in modifiers.bias.shape)]
   return d_query, d_key, d_value, d_bias, g.all_consts_grads(d_consts)
+
+
+def _any_and_every(per_head):
+  """int8 [B, N, nq, nk] -> [nq, nk]: EMPTY for every row and head, FULL for every
+  one, else PARTIAL."""
+  some, every = per_head.max(axis=(0, 1)), per_head.min(axis=(0, 1))
+  return jnp.where(some == EMPTY, EMPTY, jnp.where(every == FULL, FULL, PARTIAL)).astype(
+      jnp.int8)
 
 
 def _plan_classes(g, count: int, lo, hi, vis_lo, vis_hi):
@@ -316,8 +324,10 @@ def _pad_axis(x, axis: int, size: int, value=0):
 class _Grid:
   """The padded, pre-laid-out operands and block accessors shared by forward and backward."""
 
-  def __init__(self, query, key, value, bias, mask, spec, dropout, scale, layout,
-               q_offset, kv_offset, block_sizes):
+  def __init__(self, query, key, value, modifiers: Modifiers, layout, q_offset, kv_offset,
+               block_sizes):
+    bias, mask, spec = modifiers.bias, modifiers.mask, modifiers.structure
+    dropout, scale = modifiers.dropout, modifiers.scale
     ax = layout.axis
     self.B, self.T, self.N = (query.shape[ax(c)] for c in "BTN")
     self.S, self.K = (key.shape[ax(c)] for c in "SK")
@@ -330,7 +340,7 @@ class _Grid:
     self.q_sub, self.k_sub, self.v_sub = layout.grouped(layout.query), layout.key, layout.value
     self.out_sub = layout.grouped(layout.out)
     self.dtype, self.acc = value.dtype, logits_dtype(query.dtype)
-    self.dropout = dropout
+    self.dropout, self.scale = dropout, scale
     self.q_offset = jnp.asarray(q_offset, jnp.int32)
     self.kv_offset = jnp.asarray(kv_offset, jnp.int32)
     # The scale is folded into the queries once (for float32 exactly what
@@ -352,7 +362,7 @@ class _Grid:
     # Even fully visible blocks need a mask for the user's mask or segment ids
     # (the plan leaves no visible blocks with segment ids).
     self.needs_mask = mask is not None
-    self.mods = spec.mods
+    self.mods = modifiers.mods
     self.has_score = self.mods is not None and self.mods.has_score
     self.has_mask_mod = self.mods is not None and self.mods.has_mask
     # The score_mod's captured arrays that can take a gradient, in place (None elsewhere).
@@ -369,13 +379,15 @@ class _Grid:
     if mods is None or (mods.block_mask is None and not mods.has_mask):
       return None
     if mods.block_mask is not None and self.T == mods.block_mask.T:
-      per_head = mods.block_mask.classes  # made for this call (offsets 0)
-    else:
+      return _any_and_every(mods.block_mask.classes)  # made for this call (offsets 0)
+    # a ready-made mask's classes in closed form, else mask_mod on every block
+    per_head = None if mods.mask_mod is None else closed_form_classes(
+        mods.mask_mod, self.B, self.T, self.S, self.bq, self.bk, self.q_offset,
+        self.kv_offset)
+    if per_head is None:
       per_head = classify(mods, self.B, self.N, self.T, self.S, self.bq, self.bk,
                           self.q_offset, self.kv_offset)
-    some, every = per_head.max(axis=(0, 1)), per_head.min(axis=(0, 1))
-    return jnp.where(some == EMPTY, EMPTY, jnp.where(every == FULL, FULL, PARTIAL)).astype(
-        jnp.int8)
+    return _any_and_every(per_head)
 
   def all_consts_grads(self, d_float):
     """The gradients of every captured array: d_float in place of the inexact ones."""

@@ -10,9 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn._dense import Dropout
 from jattn._layout import Layout
-from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 
 _DTYPES = (jnp.float16, jnp.bfloat16)
 
@@ -35,17 +34,18 @@ def cudnn_unsupported(*, platform: str, dtype, H: int, D: int, dropout_rate: flo
   return None
 
 
-def cudnn_attention(query, key, value, bias, mask, spec: MaskSpec,
-                    dropout: Dropout | None, scale, layout: Layout, *,
+def cudnn_attention(query, key, value, modifiers: Modifiers, layout: Layout, *,
                     return_residual: bool = False):
   """Arguments as `_xla.xla_attention`; returns (out, None, lse [B, N, T] or None).
 
-  The lse is asked of cuDNN only when wanted (return_residual)."""
-  del dropout  # excluded by cudnn_unsupported
+  The lse is asked of cuDNN only when wanted (return_residual). Dropout and
+  mods are excluded by `cudnn_unsupported`; the scale is a Python number."""
+  spec, scale = modifiers.structure, modifiers.scale
   q, k, v = (jnp.einsum(f"{sub}->{canon}", x) for x, sub, canon in (
       (query, layout.query, "BTNH"), (key, layout.key, "BSKH"), (value, layout.value, "BSKD")))
   out = jax.nn.dot_product_attention(
-      q, k, v, bias, mask, scale=float(scale) if isinstance(scale, float) else scale,
+      q, k, v, modifiers.bias, modifiers.mask,
+      scale=float(scale) if isinstance(scale, float) else scale,
       is_causal=spec.is_causal, query_seq_lengths=spec.q_lengths,
       key_value_seq_lengths=spec.kv_lengths, local_window_size=spec.local_window,
       implementation="cudnn", return_residual=return_residual)

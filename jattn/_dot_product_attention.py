@@ -16,15 +16,22 @@ from jattn._cudnn import cudnn_attention, cudnn_unsupported
 from jattn._layout import Layout, parse_layout
 from jattn._dense import Dropout
 from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 from jattn._programmable import build_mods
 from jattn._block_mask import check_block_mask
 from jattn._vmapped import vmapped_attention
 from jattn._xla import xla_attention
 
-# name -> function(query, key, value, bias, mask, spec, dropout, scale, layout)
-#   -> (out, weights | None, lse float32 [B, N, T] | None). mask is the user's,
-#   [B|1, N|1, T, S]; spec holds the structural masks (causal, window, lengths,
-#   segments), left for each implementation to apply densely or block by block.
+# name -> function(query, key, value, modifiers, layout)
+#   -> (out, weights | None, lse float32 [B, N, T] | None).
+# query, key, value: the arrays in `layout` (a `Layout` with B).
+# modifiers: one `Modifiers` (jattn/_modifiers.py), built after every check,
+#   carries the rest: bias and mask ([B|1, N|1, T, S]), the structural masks
+#   (`.structure`: causal, window, lengths, segments), the mods (`.mods`:
+#   mask_mod / score_mod traced, sinks, block_mask; the user's ready-made
+#   jattn.mods objects in `.mods.mask_mod` / `.mods.score_mod`), dropout and
+#   scale. Each implementation applies them densely or block by block.
+# "blockwise" also takes block_sizes=, "cudnn" return_residual= (keywords).
 _IMPLEMENTATIONS = {
     "xla": xla_attention,
     "vmap": vmapped_attention,
@@ -194,7 +201,7 @@ def dot_product_attention(
                      ("broadcast_dropout", broadcast_dropout)):
     if not isinstance(flag, bool):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
-  mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N)
+  mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N, defer_ready_made=True)
   impl = _resolve_implementation(
       implementation, block_sizes, platform=jax.devices()[0].platform, dims=dims,
       dtype=query.dtype, dropout_rate=float(dropout_rate),
@@ -210,15 +217,20 @@ def dot_product_attention(
   mask = None if mask is None else jnp.reshape(mask, (1,) * (4 - mask.ndim) + mask.shape)
   bias = None if bias is None else jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
 
-  # Mods hold functions traced for this call: a jit cache would never hit, so
-  # they run inside the caller's trace instead.
-  compute = _compute if mods is None else _compute.__wrapped__
+  structure = MaskSpec(is_causal=is_causal, local_window=window, q_lengths=q_lengths,
+                       kv_lengths=kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  dropout = (Dropout(float(dropout_rate), dropout_rng, broadcast_dropout)
+             if dropout_rate > 0.0 else None)
+  if impl != "cudnn" and isinstance(scale, (int, float)):
+    scale = jnp.asarray(scale)  # traced, as before: a new scale compiles nothing new
+  modifiers = Modifiers(bias=bias, mask=mask, structure=structure, mods=mods,
+                        dropout=dropout, scale=scale)
+  # Mods holding a user's function traced for this call would never hit a jit
+  # cache (and fill it), so they run inside the caller's trace instead; ready-made
+  # mask mods and sinks are traced inside the jit, which caches on their static fields.
+  compute = _compute if mods is None or mods.is_cacheable else _compute.__wrapped__
   out, weights, lse = compute(
-      query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
-      scale, dropout_rng, mods, is_causal=is_causal, window=window,
-      dropout_rate=float(dropout_rate), broadcast_dropout=broadcast_dropout,
-      layout=lay, impl=impl, block_sizes=block_sizes,
-      static_scale=scale if impl == "cudnn" else None,
+      query, key, value, modifiers, layout=lay, impl=impl, block_sizes=block_sizes,
       return_weights=return_weights, return_residual=return_residual)
   if not dims["has_batch"]:
     out = out[0]
@@ -235,24 +247,19 @@ def residual_in_layout(lse, layout: Layout, dtype) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "is_causal", "window", "dropout_rate", "broadcast_dropout", "layout", "impl",
-    "block_sizes", "static_scale", "return_weights", "return_residual"))
-def _compute(query, key, value, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids,
-             scale, dropout_rng, mods, *, is_causal, window, dropout_rate, broadcast_dropout,
-             layout, impl, block_sizes, static_scale, return_weights, return_residual):
-  spec = MaskSpec(is_causal=is_causal, local_window=window,
-                  q_lengths=q_lengths, kv_lengths=kv_lengths,
-                  q_segment_ids=q_ids, kv_segment_ids=kv_ids, mods=mods)
-  dropout = (Dropout(dropout_rate, dropout_rng, broadcast_dropout)
-             if dropout_rate > 0.0 else None)
+    "layout", "impl", "block_sizes", "return_weights", "return_residual"))
+def _compute(query, key, value, modifiers: Modifiers, *, layout, impl, block_sizes,
+             return_weights, return_residual):
+  """Runs implementation `impl`; its flags (causal, window, dropout rate, a
+  Python scale) are static parts of the modifiers' pytree, so jit keys on them."""
+  if modifiers.mods is not None:
+    modifiers = modifiers.replace(mods=modifiers.mods.traced())
   fn = _IMPLEMENTATIONS[impl]
   if impl == "blockwise":
     fn = functools.partial(fn, block_sizes=block_sizes)
   if impl == "cudnn":
     fn = functools.partial(fn, return_residual=return_residual)
-  if static_scale is not None:  # cuDNN takes the scale as a Python number
-    scale = static_scale
-  out, weights, lse = fn(query, key, value, bias, mask, spec, dropout, scale, layout)
+  out, weights, lse = fn(query, key, value, modifiers, layout)
   # Only what was asked for leaves the jit, so the rest is never computed.
   return (out, weights if return_weights else None,
           residual_in_layout(lse, layout, value.dtype) if return_residual else None)

@@ -72,11 +72,13 @@ def combine_masks(*masks) -> jax.Array | None:
   return functools.reduce(jnp.logical_and, present)
 
 
+@jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
   """The structural masks of one call, applied lazily to any block of [T, S].
 
-  The arrays (lengths [B], segment ids [B, T] / [B, S]) are jax arrays or None.
+  A pytree: the arrays (lengths [B], segment ids [B, T] / [B, S], jax arrays
+  or None) are its leaves, is_causal and local_window static.
   """
 
   is_causal: bool = False
@@ -85,8 +87,14 @@ class MaskSpec:
   kv_lengths: jax.Array | None = None
   q_segment_ids: jax.Array | None = None
   kv_segment_ids: jax.Array | None = None
-  # mask_mod, score_mod and sinks (`_programmable.Mods`), or None
-  mods: object = None
+
+  def tree_flatten(self):
+    return ((self.q_lengths, self.kv_lengths, self.q_segment_ids, self.kv_segment_ids),
+            (self.is_causal, self.local_window))
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*aux, *children)
 
   @property
   def is_empty(self) -> bool:
@@ -94,10 +102,6 @@ class MaskSpec:
     return (not self.is_causal and self.local_window is None
             and self.q_lengths is None and self.kv_lengths is None
             and self.q_segment_ids is None)
-
-  @property
-  def has_mask_mod(self) -> bool:
-    return self.mods is not None and self.mods.has_mask
 
   def may_empty_a_row(self, T: int, S: int) -> bool:
     """Whether some query may be left with no key to attend to.

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn import _checks
+from jattn._closed_form_blocks import is_closed_form
 
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 _SCORE = jax.ShapeDtypeStruct((), jnp.float32)
@@ -32,7 +33,9 @@ class Mods:
 
   mask_jaxpr / score_jaxpr: the traced mods (static), evaluated by `mask` and
   `score` with their consts; sinks float [N] or None; block_mask a
-  `jattn.BlockMask` or None.
+  `jattn.BlockMask` or None; mask_mod: the user's mask_mod itself when it is a
+  ready-made jattn.mods mask (a pytree, so it rides along under jit), whose
+  block classes are then known in closed form (`_closed_form_blocks`), else None.
   """
 
   mask_jaxpr: object = None
@@ -41,9 +44,11 @@ class Mods:
   score_consts: tuple = ()
   sinks: jax.Array | None = None
   block_mask: object = None
+  mask_mod: object = None
 
   def tree_flatten(self):
-    children = (self.mask_consts, self.score_consts, self.sinks, self.block_mask)
+    children = (self.mask_consts, self.score_consts, self.sinks, self.block_mask,
+                self.mask_mod)
     return children, (self.mask_jaxpr, self.score_jaxpr)
 
   @classmethod
@@ -52,7 +57,28 @@ class Mods:
 
   @property
   def has_mask(self) -> bool:
-    return self.mask_jaxpr is not None
+    return self.mask_jaxpr is not None or self.mask_mod is not None
+
+  @property
+  def is_traced(self) -> bool:
+    """False while a ready-made mask_mod waits to be traced (`traced`), inside jit."""
+    return self.mask_mod is None or self.mask_jaxpr is not None
+
+  def traced(self) -> "Mods":
+    """This value with a ready-made mask_mod traced to its jaxpr; its array leaves (traced
+    under jit) become the consts. Deferred to here so that a jit keyed on the mod's
+    static fields alone caches across calls."""
+    if self.is_traced:
+      return self
+    closed = _trace("mask_mod", self.mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool")
+    return dataclasses.replace(self, mask_jaxpr=closed.jaxpr, mask_consts=tuple(closed.consts))
+
+  @property
+  def is_cacheable(self) -> bool:
+    """Whether nothing static in this value is traced per call (no jaxpr of a user's
+    function), so that a jit keyed on it caches across calls."""
+    return self.score_jaxpr is None and self.block_mask is None and (
+        self.mask_jaxpr is None)
 
   @property
   def has_score(self) -> bool:
@@ -80,6 +106,15 @@ class Mods:
 
   def without_score_consts(self) -> "Mods":
     return dataclasses.replace(self, score_consts=())
+
+  def gradients(self, *, sinks, score_consts) -> "Mods":
+    """A cotangent of this value: d sinks and d score_consts (each None or float32,
+    cast to the primal dtypes), None (zero) for the rest."""
+    return dataclasses.replace(
+        self, mask_consts=(None,) * len(self.mask_consts), sinks=sinks, block_mask=None,
+        mask_mod=None,
+        score_consts=tuple(None if d is None else d.astype(c.dtype)
+                           for d, c in zip(score_consts, self.score_consts)))
 
 
 def _check_arity(name: str, fn, arity: int, call: str) -> None:
@@ -118,16 +153,26 @@ def _trace(name: str, fn, args, call: str, want: str):
   return closed
 
 
-def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int) -> Mods | None:
-  """Checks the programmable arguments (before any work) and bundles them; None if all absent."""
+_MASK_CALL = "(b, n, t, s) -> bool"
+
+
+def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
+               defer_ready_made: bool = False) -> Mods | None:
+  """Checks the programmable arguments (before any work) and bundles them; None if all absent.
+
+  defer_ready_made: keep a ready-made mask_mod (jattn.mods) untraced, for `Mods.traced`
+  to trace inside the caller's jit (then the value is `is_cacheable`)."""
   if mask_mod is None and score_mod is None and sinks is None and block_mask is None:
     return None
   fields = {}
   if mask_mod is not None:
-    call = "(b, n, t, s) -> bool"
-    _check_arity("mask_mod", mask_mod, 4, call)
-    closed = _trace("mask_mod", mask_mod, (_INDEX,) * 4, call, "bool")
+    _check_arity("mask_mod", mask_mod, 4, _MASK_CALL)
+    closed = _trace("mask_mod", mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool")
     fields.update(mask_jaxpr=closed.jaxpr, mask_consts=tuple(closed.consts))
+    if is_closed_form(mask_mod):
+      fields["mask_mod"] = mask_mod
+      if defer_ready_made:  # checked above; traced again inside jit by Mods.traced
+        fields.update(mask_jaxpr=None, mask_consts=())
   if score_mod is not None:
     call = "(score, b, n, t, s) -> float"
     _check_arity("score_mod", score_mod, 5, call)

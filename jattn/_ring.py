@@ -34,6 +34,7 @@ from jattn import _blockwise
 from jattn._block_sizes import BlockSizes
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 from jattn._programmable import add_sinks, sinks_grad
 from jattn._softmax import LARGE_NEGATIVE
 
@@ -111,9 +112,11 @@ class Ring:
   def merge(self, xs, letter: str):
     return jnp.concatenate(xs, axis=self.layout.axis(letter))
 
-  def spec(self, q_ids, kv_ids, q_len, kv_len, mods=None) -> MaskSpec:
-    return MaskSpec(is_causal=self.is_causal, q_lengths=q_len, kv_lengths=kv_len,
-                    q_segment_ids=q_ids, kv_segment_ids=kv_ids, mods=mods)
+  def modifiers(self, q_ids, kv_ids, q_len, kv_len, mods=None) -> Modifiers:
+    """The `Modifiers` of one (query chunk, key/value chunk) pair."""
+    structure = MaskSpec(is_causal=self.is_causal, q_lengths=q_len, kv_lengths=kv_len,
+                         q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    return Modifiers(structure=structure, mods=mods, scale=self.scale)
 
 
 def _rows_like_out(rows: jax.Array, layout: Layout) -> jax.Array:
@@ -163,8 +166,8 @@ def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_l
       for b, (kb, vb, kb_ids) in enumerate(zip(ring.split(k_blk, "S"), ring.split(v_blk, "S"),
                                                ring.split(kv_ids_blk, "S", axis=1))):
         out_ab, lse_ab = _blockwise.forward(
-            qa, kb, vb, None, None, ring.spec(qa_ids, kb_ids, q_len, kv_len, mods), None,
-            ring.scale, lay, q_offsets[a], kv_off[b], ring.block_sizes)
+            qa, kb, vb, ring.modifiers(qa_ids, kb_ids, q_len, kv_len, mods), lay,
+            q_offsets[a], kv_off[b], ring.block_sizes)
         outs[a], lses[a] = _combine(outs[a], lses[a], out_ab, lse_ab, lay)
     return tuple(outs), tuple(lses), ring.pass_on(travelling)
 
@@ -202,8 +205,8 @@ def _ring_bwd(ring: Ring, residuals, cotangents):
     for a, (qa, qa_ids, out_a, lse_a, d_out_a) in enumerate(q_parts):
       for b, (kb, vb, kb_ids) in enumerate(kv_parts):
         dq, dk, dv, _, dc = _blockwise.backward_with_score_grads(
-            qa, kb, vb, None, None, ring.spec(qa_ids, kb_ids, q_len, kv_len, mods), None,
-            ring.scale, lay, q_offsets[a], kv_off[b], ring.block_sizes, out_a, lse_a, d_out_a)
+            qa, kb, vb, ring.modifiers(qa_ids, kb_ids, q_len, kv_len, mods), lay,
+            q_offsets[a], kv_off[b], ring.block_sizes, out_a, lse_a, d_out_a)
         d_qs[a], d_ks[b], d_vs[b] = d_qs[a] + dq, d_ks[b] + dk, d_vs[b] + dv
         d_consts = jax.tree.map(jnp.add, d_consts, dc)
     travelling = (k_blk, v_blk, kv_off, kv_ids_blk, ring.merge(d_ks, "S"), ring.merge(d_vs, "S"))
@@ -223,10 +226,7 @@ def _ring_bwd(ring: Ring, residuals, cotangents):
     # arrays; the shard_map transpose sums the shares over the devices.
     d_sinks = None if mods.sinks is None else sinks_grad(
         out, lse, d_out, mods.sinks, lay.out).astype(mods.sinks.dtype)
-    d_mods = dataclasses.replace(
-        mods, mask_consts=(None,) * len(mods.mask_consts), sinks=d_sinks, block_mask=None,
-        score_consts=tuple(None if d is None else d.astype(c.dtype)
-                           for d, c in zip(d_consts, consts)))
+    d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
   # Offsets, segment ids and lengths are integers: no cotangent.
   return (ring.merge(d_qs, "T").astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
           None, None, None, None, None, None, d_mods)

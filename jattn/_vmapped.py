@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jattn._attention import attention_with_weights
-from jattn._dense import Dropout, dense_mask_and_keep
+from jattn._dense import dense_mask_and_keep
 from jattn._layout import Layout
-from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 from jattn._xla import grouped_logical, split_heads, xla_attention
 
 
@@ -23,20 +23,20 @@ def _full(x, shape):
   return None if x is None else jnp.broadcast_to(x, shape)
 
 
-def vmapped_attention(query, key, value, bias, mask, spec: MaskSpec,
-                      dropout: Dropout | None, scale, layout: Layout):
+def vmapped_attention(query, key, value, modifiers: Modifiers, layout: Layout):
   """Batched multi-head attention from single-head attention and jax.vmap.
 
   Arguments and results as `_xla.xla_attention`. The lse is the einsum
   formulation's (one head has no use for it); under jit it is computed only
   when used.
   """
-  lse = xla_attention(query, key, value, bias, mask, spec, None, scale, layout)[2]
+  lse = xla_attention(query, key, value, modifiers.replace(dropout=None), layout)[2]
   K = key.shape[layout.axis("K")]
   N = query.shape[layout.axis("N")]
   B = query.shape[layout.axis("B")]
   T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
-  mask, keep, _ = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
+  mask, keep, _ = dense_mask_and_keep(modifiers, B, N, T, S)
+  bias, scale, mods = modifiers.bias, modifiers.scale, modifiers.mods
   query = split_heads(query, layout.axis("N"), K)
   q_sub, k_sub, v_sub = layout.grouped(layout.query), layout.key, layout.value
   out_sub = layout.grouped(layout.out)
@@ -47,9 +47,8 @@ def vmapped_attention(query, key, value, bias, mask, spec: MaskSpec,
   if single_layout == "columns":
     logical = [None if x is None else jnp.swapaxes(x, -1, -2) for x in logical]
 
-  mods = spec.mods
-  has_score = mods is not None and mods.has_score
-  sinks = None if mods is None or mods.sinks is None else mods.sinks.reshape(K, N // K)
+  has_score = modifiers.has_score_mod
+  sinks = None if modifiers.sinks is None else modifiers.sinks.reshape(K, N // K)
 
   def one_head(q, k, v, m, b, d, batch, head, sink):
     score = None

@@ -10,9 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn._dense import Dropout, dense_mask_and_keep
+from jattn._dense import dense_mask_and_keep
 from jattn._layout import Layout
-from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 from jattn._programmable import apply_score, sinks_like
 from jattn._softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax
 
@@ -34,16 +34,16 @@ def grouped_logical(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
   return split_heads(x, 1, num_kv_heads)
 
 
-def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
-                  dropout: Dropout | None, scale, layout: Layout):
-  """Batched multi-head attention; bias and mask in logical [B|1, N|1, T, S].
+def xla_attention(query, key, value, modifiers: Modifiers, layout: Layout):
+  """Batched multi-head attention; the modifiers' bias and mask in logical [B|1, N|1, T, S].
 
   Returns (out in the layout with D for H, weights [B, N, T, S], lse float32
   [B, N, T]); under jit an unused lse or weights costs nothing.
   """
   B, N, T = (query.shape[layout.axis(c)] for c in "BNT")
   S, K = (key.shape[layout.axis(c)] for c in "SK")
-  mask, keep, may_empty_a_row = dense_mask_and_keep(mask, spec, dropout, B, N, T, S)
+  mask, keep, may_empty_a_row = dense_mask_and_keep(modifiers, B, N, T, S)
+  bias, scale, mods = modifiers.bias, modifiers.scale, modifiers.mods
   q_sub = layout.grouped(layout.query)
   out_sub = layout.grouped(layout.out)
   logits_sub = _logits_subscripts(q_sub)
@@ -57,16 +57,16 @@ def xla_attention(query, key, value, bias, mask, spec: MaskSpec,
                       preferred_element_type=dtype) * scale
   if bias is not None:
     logits = logits + to_logits(bias).astype(dtype)
-  mods, sinks = spec.mods, None
-  if mods is not None and mods.has_score:
+  sinks = None
+  if modifiers.has_score_mod:
     logits = apply_score(mods, logits, logits_sub, N // K)
-  if mods is not None and mods.sinks is not None:
-    sinks = sinks_like(mods.sinks, logits_sub, K, dtype)
+  if modifiers.sinks is not None:
+    sinks = sinks_like(modifiers.sinks, logits_sub, K, dtype)
   weights = masked_softmax(logits, to_logits(mask), axis=-1,
                            may_empty_a_row=may_empty_a_row, sinks=sinks)
   lse = _row_lse(logits, to_logits(mask), logits_sub)  # [B, K, G, T]
   if sinks is not None:  # the sink is a term of every row's denominator
-    lse = jnp.logaddexp(lse, mods.sinks.astype(dtype).reshape(1, K, N // K, 1))
+    lse = jnp.logaddexp(lse, modifiers.sinks.astype(dtype).reshape(1, K, N // K, 1))
   lse = lse.reshape((B, N, T))
   used = weights if keep is None else weights * to_logits(keep).astype(dtype)
   out = jnp.einsum(f"{logits_sub},{layout.value}->{out_sub}", used.astype(value.dtype),

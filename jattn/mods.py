@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 
 # ---------------------------------------------------------------- mask mods
@@ -196,6 +197,16 @@ def relative_bias(table) -> RelativeBias:
     raise ValueError(f"relative_bias: table must be [N, 2M + 1] (odd width), got shape {shape}")
   return RelativeBias(table)
 
+
+# Pytrees: array parameters are leaves (they may be traced, and jattn keeps the
+# object itself inside a call's jit), ints are static; And/Or hold their parts.
+for _cls, _arrays, _static in (
+    (Causal, [], []), (SlidingWindow, [], ["left", "right"]), (Chunked, [], ["size"]),
+    (PrefixLM, ["prefix_lengths"], []), (Document, ["q_segment_ids", "kv_segment_ids"], []),
+    (And, ["mask_mods"], []), (Or, ["mask_mods"], []), (SoftCap, ["cap"], []),
+    (Alibi, ["slopes"], []), (RelativeBias, ["table"], [])):
+  jax.tree_util.register_dataclass(_cls, data_fields=_arrays, meta_fields=_static)
+del _cls, _arrays, _static
 
 __all__ = ["Alibi", "And", "Causal", "Chunked", "Document", "Or", "PrefixLM",
            "RelativeBias", "SlidingWindow", "SoftCap", "alibi", "alibi_slopes",

@@ -11,7 +11,7 @@ import pytest
 import jattn
 from jattn import _blockwise, mods
 from jattn._layout import Layout
-from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 from jattn._programmable import build_mods
 from tests.helpers import raises
 from tests.test_mods import B, BS, IDS_KV, IDS_Q, KEY, MASKS, N, Q, S, T, V, reference
@@ -84,9 +84,9 @@ def _count(mask_mod, T_, S_, block):
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((1, T_, 2, 4)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((1, S_, 2, 4)), jnp.float32)
-  spec = MaskSpec(mods=build_mods(mask_mod, None, None, None, N=2))
+  modifiers = Modifiers(mods=build_mods(mask_mod, None, None, None, N=2), scale=0.5)
   _, _, count = _blockwise.forward_with_count(
-      q, k, k, None, None, spec, None, 0.5, Layout("BTNH"), 0, 0, jattn.BlockSizes(block, block))
+      q, k, k, modifiers, Layout("BTNH"), 0, 0, jattn.BlockSizes(block, block))
   return int(count)
 
 

@@ -20,6 +20,7 @@ from jattn._block_sizes import default_block_sizes
 from jattn._choose import CPU_BLOCKWISE_FROM, default_implementation
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 
 BS = jattn.BlockSizes(q=8, kv=8)
 B, T, S, N, K, H = 2, 37, 29, 4, 2, 8
@@ -168,7 +169,7 @@ def test_default_block_sizes_by_platform():
 def _count(T, S, spec, block, q_offset=0, kv_offset=0):
   q, k, v = _arrays(T=T, S=S)
   _, _, count = _blockwise.forward_with_count(
-      q, k, v, None, None, spec, None, 0.5, Layout("BTNH"), q_offset, kv_offset,
+      q, k, v, Modifiers(structure=spec, scale=0.5), Layout("BTNH"), q_offset, kv_offset,
       jattn.BlockSizes(q=block, kv=block))
   return int(count)
 
@@ -254,8 +255,9 @@ def test_primitives_combine_over_kv_ranges_by_lse():
   lay, sizes, split = Layout("BTNH"), jattn.BlockSizes(q=8, kv=8), 16
   spec = MaskSpec(is_causal=True)
   parts = [(k[:, :split], v[:, :split], 0), (k[:, split:], v[:, split:], split)]
-  outs, lses = zip(*(_blockwise.forward(q, kk, vv, None, None, spec, None, 0.5, lay, 0, off,
-                                        sizes) for kk, vv, off in parts))
+  modifiers = Modifiers(structure=spec, scale=0.5)
+  outs, lses = zip(*(_blockwise.forward(q, kk, vv, modifiers, lay, 0, off, sizes)
+                     for kk, vv, off in parts))
   lse = jnp.logaddexp(*lses)  # [B, N, T]
   # out [B, T, N, D]: weight each range by exp(lse_r - lse)
   out = sum(o * jnp.exp(l - lse).transpose(0, 2, 1)[..., None] for o, l in zip(outs, lses))
@@ -264,8 +266,8 @@ def test_primitives_combine_over_kv_ranges_by_lse():
   np.testing.assert_allclose(out, ref(q, k, v), **TOL)
 
   d_out = jnp.cos(out)
-  grads = [_blockwise.backward(q, kk, vv, None, None, spec, None, 0.5, lay, 0, off, sizes,
-                               out, lse, d_out) for kk, vv, off in parts]
+  grads = [_blockwise.backward(q, kk, vv, modifiers, lay, 0, off, sizes, out, lse, d_out)
+           for kk, vv, off in parts]
   _, pullback = jax.vjp(ref, q, k, v)
   dq, dk, dv = pullback(d_out)
   np.testing.assert_allclose(grads[0][0] + grads[1][0], dq, **TOL)

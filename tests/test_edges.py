@@ -17,6 +17,7 @@ import jattn
 from jattn import _blockwise
 from jattn._layout import Layout
 from jattn._masks import MaskSpec
+from jattn._modifiers import Modifiers
 from reference_grads import reference_vjp
 
 B, N, K, H = 2, 2, 1, 4  # G = 2 query heads per kv head
@@ -94,15 +95,17 @@ def _ranges(q, k, v, d_out, spec_of, q_cut, kv_cut, sizes, scale):
   grads_k, grads_v = jnp.zeros(k.shape), jnp.zeros(v.shape)
   for t0, t1 in q_parts:
     partial = [_blockwise.forward(
-        q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], None, None, spec_of(t0, t1, s0, s1), None,
-        scale, lay, t0, s0, sizes) for s0, s1 in kv_parts]
+        q[:, t0:t1], k[:, s0:s1], v[:, s0:s1],
+        Modifiers(structure=spec_of(t0, t1, s0, s1), scale=scale), lay, t0, s0, sizes)
+        for s0, s1 in kv_parts]
     lse = jnp.logaddexp(*(l for _, l in partial))  # [B, N, t]
     out = sum(o * jnp.exp(l - lse).transpose(0, 2, 1)[..., None] for o, l in partial)
     dq = 0.0
     for s0, s1 in kv_parts:
       g = _blockwise.backward(
-          q[:, t0:t1], k[:, s0:s1], v[:, s0:s1], None, None, spec_of(t0, t1, s0, s1), None,
-          scale, lay, t0, s0, sizes, out, lse, d_out[:, t0:t1])
+          q[:, t0:t1], k[:, s0:s1], v[:, s0:s1],
+          Modifiers(structure=spec_of(t0, t1, s0, s1), scale=scale), lay, t0, s0, sizes,
+          out, lse, d_out[:, t0:t1])
       dq = dq + g[0]
       grads_k = grads_k.at[:, s0:s1].add(g[1])
       grads_v = grads_v.at[:, s0:s1].add(g[2])
