@@ -58,6 +58,8 @@ SPLASH_CASES = {
     "lengths": dict(query_seq_lengths=jnp.array([128, 70]),
                     key_value_seq_lengths=jnp.array([100, 30])),
     "segments": dict(q_segment_ids=IDS, kv_segment_ids=OTHER_IDS),
+    "window_lengths": dict(local_window_size=(17, 3), query_seq_lengths=jnp.array([128, 70]),
+                           key_value_seq_lengths=jnp.array([100, 30])),
     "causal_mod": dict(mask_mod=mods.causal()),
     "sliding_window_mod": dict(mask_mod=mods.sliding_window(9, 2)),
     "chunked_or_window": dict(mask_mod=mods.or_masks(mods.chunked(32),
@@ -66,7 +68,7 @@ SPLASH_CASES = {
     "soft_cap_sinks": dict(score_mod=mods.soft_cap(2.0), sinks=jnp.array([0.5, -1.0, 2.0, 0.0])),
 }
 CI_SPLASH = {  # (case, layout, N, K): a few in the CI tier, covering both layouts and GQA
-    ("causal", "BTNH", 4, 2), ("lengths", "BNHT", 4, 4),
+    ("causal", "BTNH", 4, 2), ("window_lengths", "BNHT", 4, 4),
     ("document_and_causal", "BNHT", 4, 1), ("soft_cap_sinks", "BTNH", 4, 2),
 }
 
