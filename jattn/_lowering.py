@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jattn import mods as M
 
 # splash's kernels tile T and S by blocks of a multiple of 128 (TPU lanes).
@@ -77,6 +79,13 @@ def _mask_expr(mod, top: bool):
                 f"can lower (hand-written functions and the batch-dependent prefix_lm are not)")
 
 
+def _check_document(doc, dims) -> None:
+  want = ((dims["B"], dims["T"]), (dims["B"], dims["S"]))
+  got = (np.shape(doc.q_segment_ids), np.shape(doc.kv_segment_ids))
+  if got != want:
+    raise _Cannot(f"its mods.document ids must be [B, T] and [B, S] = {want}, got {got}")
+
+
 def _common(*, bias, mask, dropout_rate, return_weights, return_residual, block_mask,
             mask_mod):
   if bias is not None:
@@ -127,6 +136,7 @@ def splash_plan(*, platform, interpret, dims, dtype, is_causal, window, q_length
                       f"Python-number cap")
       cap = float(score_mod.cap)
     if doc is not None:
+      _check_document(doc, dims)
       q_segment_ids, kv_segment_ids = doc.q_segment_ids, doc.kv_segment_ids
     segments = q_segment_ids is not None
     # Every lowered mask keeps the diagonal, so a row can only lose all its keys
@@ -178,6 +188,7 @@ def pallas_plan(*, platform, interpret, dims, dtype, is_causal, window, q_length
       if doc is not None and q_segment_ids is not None:
         raise _Cannot("both segment ids and a mods.document mask")
     if doc is not None:
+      _check_document(doc, dims)
       q_segment_ids, kv_segment_ids = doc.q_segment_ids, doc.kv_segment_ids
     segments = q_segment_ids is not None
     if (causal or segments) and T != S:
