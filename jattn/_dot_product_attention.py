@@ -13,6 +13,7 @@ from jattn._block_sizes import BlockSizes
 from jattn._blockwise_attention import blockwise_attention
 from jattn._choose import default_implementation
 from jattn._cudnn import cudnn_attention, cudnn_unsupported
+from jattn import _interpret, _lowering, _splash
 from jattn._layout import Layout, parse_layout
 from jattn._dense import Dropout
 from jattn._masks import MaskSpec
@@ -37,6 +38,8 @@ _IMPLEMENTATIONS = {
     "vmap": vmapped_attention,
     "blockwise": blockwise_attention,
     "cudnn": cudnn_attention,
+    "splash": _splash.splash_implementation,  # TPU: jax's splash kernel (issue 11)
+    "pallas": _splash.pallas_implementation,  # GPU: jax's Pallas flash kernel (issue 11)
     "ring": None,  # sequence-parallel over the context mesh: _ring_attention.py
 }
 
@@ -65,7 +68,7 @@ def _refuse_mods_on_cudnn(mask_mod, score_mod, sinks, block_mask) -> None:
 
 def _resolve_implementation(implementation, block_sizes, *, platform, dims, dtype,
                             dropout_rate, has_segments, return_weights, scale,
-                            has_mods=False) -> str:
+                            has_mods=False, kernel_reasons=None) -> str:
   """The implementation to run; a ValueError when the chosen one cannot honour the call."""
   if implementation is None and block_sizes is not None:
     implementation = "blockwise"  # asking for block sizes is asking for blockwise
@@ -76,9 +79,16 @@ def _resolve_implementation(implementation, block_sizes, *, platform, dims, dtyp
     cudnn_reason = f"it takes a Python number as scale, got {type(scale).__name__}"
   if cudnn_reason is None and has_mods:
     cudnn_reason = "it takes no mask_mod, score_mod, sinks or block_mask"
+  reasons = kernel_reasons or {}
   if implementation is None:
     return default_implementation(platform=platform, T=dims["T"], S=dims["S"],
-                                  return_weights=return_weights, cudnn_reason=cudnn_reason)
+                                  return_weights=return_weights, cudnn_reason=cudnn_reason,
+                                  splash_reason=reasons.get("splash", ""),
+                                  pallas_reason=reasons.get("pallas", ""),
+                                  B=dims["B"], N=dims["N"])
+  if implementation in ("splash", "pallas") and reasons.get(implementation) is not None:
+    raise ValueError(f"implementation={implementation!r} cannot run this call: "
+                     f"{reasons[implementation]}")
   if implementation == "cudnn" and cudnn_reason is not None:
     raise ValueError(f"implementation='cudnn' cannot run this call: {cudnn_reason}")
   if implementation == "blockwise" and return_weights:
@@ -202,11 +212,27 @@ def dot_product_attention(
     if not isinstance(flag, bool):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
   mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N, defer_ready_made=True)
+  # issue 11: can jax's fused kernels take this call? (static plans, reasons)
+  plans = {}
+  lower_args = dict(
+      platform=jax.devices()[0].platform, interpret=_interpret.interpreting(), dims=dims,
+      dtype=query.dtype, is_causal=is_causal, window=window, q_lengths=q_lengths,
+      kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+      bias=bias, mask=mask, dropout_rate=float(dropout_rate), return_weights=return_weights,
+      return_residual=return_residual, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks,
+      block_mask=block_mask)
+  plans["splash"] = _lowering.splash_plan(**lower_args)
+  plans["pallas"] = _lowering.pallas_plan(**lower_args, scale=scale)
   impl = _resolve_implementation(
       implementation, block_sizes, platform=jax.devices()[0].platform, dims=dims,
       dtype=query.dtype, dropout_rate=float(dropout_rate),
       has_segments=q_ids is not None, return_weights=return_weights, scale=scale,
-      has_mods=mods is not None)
+      has_mods=mods is not None,
+      kernel_reasons={name: reason for name, (_, reason, _) in plans.items()})
+  kernel_plan, _, document = plans.get(impl, (None, None, None))
+  if document is not None:  # a lowered mods.document mask: its ids become segment ids
+    q_ids, kv_ids = _segment_ids(document.q_segment_ids, document.kv_segment_ids, B, T, S,
+                                 True)
   if mods is not None and mods.block_mask is not None:
     block_sizes = check_block_mask(mods.block_mask, B=B, N=N, T=T, S=S,
                                    block_sizes=block_sizes, has_batch=lay.has_batch)
@@ -231,6 +257,7 @@ def dot_product_attention(
   compute = _compute if mods is None or mods.is_cacheable else _compute.__wrapped__
   out, weights, lse = compute(
       query, key, value, modifiers, layout=lay, impl=impl, block_sizes=block_sizes,
+      kernel_plan=kernel_plan,
       return_weights=return_weights, return_residual=return_residual)
   if not dims["has_batch"]:
     out = out[0]
@@ -247,9 +274,10 @@ def residual_in_layout(lse, layout: Layout, dtype) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "layout", "impl", "block_sizes", "return_weights", "return_residual"))
+    "layout", "impl", "block_sizes", "return_weights", "return_residual",
+    "kernel_plan"))
 def _compute(query, key, value, modifiers: Modifiers, *, layout, impl, block_sizes,
-             return_weights, return_residual):
+             return_weights, return_residual, kernel_plan=None):
   """Runs implementation `impl`; its flags (causal, window, dropout rate, a
   Python scale) are static parts of the modifiers' pytree, so jit keys on them."""
   if modifiers.mods is not None:
@@ -259,6 +287,8 @@ def _compute(query, key, value, modifiers: Modifiers, *, layout, impl, block_siz
     fn = functools.partial(fn, block_sizes=block_sizes)
   if impl == "cudnn":
     fn = functools.partial(fn, return_residual=return_residual)
+  if kernel_plan is not None:  # splash / pallas: the lowering chosen at dispatch
+    fn = functools.partial(fn, plan=kernel_plan)
   out, weights, lse = fn(query, key, value, modifiers, layout)
   # Only what was asked for leaves the jit, so the rest is never computed.
   return (out, weights if return_weights else None,

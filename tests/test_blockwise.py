@@ -329,7 +329,9 @@ def test_default_implementation_rule():
   assert pick(platform="cpu", T=side, S=side, cudnn_reason="cpu") == "blockwise"
   assert pick(platform="cpu", T=side // 2, S=side, cudnn_reason="cpu") == "xla"
   assert pick(platform="gpu", T=64, S=64, cudnn_reason=None) == "cudnn"
-  assert pick(platform="gpu", T=64, S=64, cudnn_reason="float32") == "blockwise"
+  # issue 11: neither cuDNN nor the Pallas kernel: xla while the logits are small
+  assert pick(platform="gpu", T=64, S=64, cudnn_reason="float32") == "xla"
+  assert pick(platform="gpu", T=2**14, S=2**14, N=8, cudnn_reason="float32") == "blockwise"
   assert default_implementation(platform="cpu", T=side, S=side, return_weights=True,
                                 cudnn_reason="cpu") == "xla"
 

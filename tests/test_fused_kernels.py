@@ -1,0 +1,179 @@
+"""implementation="splash" (TPU) and "pallas" (GPU), run in Pallas interpret mode on CPU.
+
+Every argument the lowering claims (jattn._lowering) is checked against
+implementation="xla" for values and gradients of q, k, v, in both layouts
+("BTNH" and tokens as columns "BNHT") and with grouped heads; T <= 256
+because interpret mode is slow. The default rule is checked per platform with
+the platform faked. No TPU or GPU was used: nothing here measures speed.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn import _dot_product_attention as dpa
+from jattn import mods
+from jattn._choose import default_implementation
+from jattn._interpret import pallas_interpret
+from tests.helpers import make_qkv, raises, to_layout
+
+B, T, H = 2, 128, 16
+IDS = np.repeat(np.array([[0, 1], [0, 2]]), [50, 78], axis=1).astype(np.int32)  # [B, T]
+OTHER_IDS = np.repeat(np.array([[0, 1], [1, 0]]), [64, 64], axis=1).astype(np.int32)
+
+
+def _arrays(N, K, layout, T=T, seed=0):
+  q, k, v = make_qkv(np.random.default_rng(seed), B=B, T=T, S=T, N=N, K=K, H=H)
+  return tuple(jnp.asarray(to_layout(x, layout)) for x in (q, k, v))
+
+
+def _loss(impl, layout, kw):
+  def loss(q, k, v):
+    out = jattn.dot_product_attention(q, k, v, implementation=impl, layout=layout, **kw)
+    w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
+    return jnp.sum(out * w), out
+  return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+
+def _check(impl, N, K, layout, kw, T=T):
+  q, k, v = _arrays(N, K, layout, T=T)
+  with pallas_interpret():
+    (_, out), grads = _loss(impl, layout, kw)(q, k, v)
+  (_, ref), ref_grads = _loss("xla", layout, kw)(q, k, v)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=2e-5)
+  for name, g, r in zip("qkv", grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=5e-5, rtol=5e-5, err_msg=f"d{name}")
+
+
+# name -> (kwargs, T): every argument the splash lowering claims
+SPLASH_CASES = {
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(17, 3)),
+    "lengths": dict(query_seq_lengths=jnp.array([128, 70]),
+                    key_value_seq_lengths=jnp.array([100, 30])),
+    "segments": dict(q_segment_ids=IDS, kv_segment_ids=OTHER_IDS),
+    "window_lengths": dict(local_window_size=(17, 3), query_seq_lengths=jnp.array([128, 70]),
+                           key_value_seq_lengths=jnp.array([100, 30])),
+    "causal_mod": dict(mask_mod=mods.causal()),
+    "sliding_window_mod": dict(mask_mod=mods.sliding_window(9, 2)),
+    "chunked_or_window": dict(mask_mod=mods.or_masks(mods.chunked(32),
+                                                      mods.sliding_window(4))),
+    "document_and_causal": dict(mask_mod=mods.and_masks(mods.document(IDS), mods.causal())),
+    "soft_cap_sinks": dict(score_mod=mods.soft_cap(2.0), sinks=jnp.array([0.5, -1.0, 2.0, 0.0])),
+}
+CI_SPLASH = {  # (case, layout, N, K): a few in the CI tier, covering both layouts and GQA
+    ("causal", "BTNH", 4, 2), ("window_lengths", "BNHT", 4, 4),
+    ("document_and_causal", "BNHT", 4, 1), ("soft_cap_sinks", "BTNH", 4, 2),
+}
+
+
+def _tier(ci: bool):
+  return () if ci else (pytest.mark.thorough,)
+
+
+@pytest.mark.parametrize("case, layout, N, K", [
+    pytest.param(c, lay, n, k, marks=_tier((c, lay, n, k) in CI_SPLASH))
+    for c in SPLASH_CASES for lay in ("BTNH", "BNHT") for n, k in ((4, 4), (4, 2), (4, 1))
+])
+def test_splash_matches_xla(case, layout, N, K):
+  _check("splash", N, K, layout, SPLASH_CASES[case])
+
+
+@pytest.mark.thorough
+def test_splash_two_tiles_and_rows_without_keys():
+  """T = 256 (two 128 tiles); T > S leaves queries past the window with no key."""
+  q, k, v = _arrays(2, 1, "BTNH", T=256)
+  k, v = k[:, :128], v[:, :128]
+  kw = dict(local_window_size=(5, 5), layout="BTNH")
+  with pallas_interpret():
+    out = jattn.dot_product_attention(q, k, v, implementation="splash", **kw)
+  ref = jattn.dot_product_attention(q, k, v, implementation="xla", **kw)
+  np.testing.assert_allclose(out, ref, atol=2e-5)
+  assert np.all(np.asarray(out)[:, 140:] == 0)
+
+
+PALLAS_CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "segments": dict(q_segment_ids=IDS, kv_segment_ids=IDS),
+    "causal_segments": dict(is_causal=True, q_segment_ids=IDS, kv_segment_ids=IDS),
+    "mods": dict(mask_mod=mods.document(IDS)),
+}
+CI_PALLAS = {("causal_segments", "BNHT", 4, 2)}
+
+
+@pytest.mark.parametrize("case, layout, N, K", [
+    pytest.param(c, lay, n, k, marks=_tier((c, lay, n, k) in CI_PALLAS))
+    for c in PALLAS_CASES for lay in ("BTNH", "BNHT") for n, k in ((4, 4), (4, 2))])
+def test_pallas_matches_xla(case, layout, N, K):
+  _check("pallas", N, K, layout, PALLAS_CASES[case])
+
+
+# ---------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("impl, kw, name", [
+    ("splash", dict(bias=np.zeros((1, 1, T, T), np.float32)), "bias"),
+    ("splash", dict(return_residual=True), "return_residual"),
+    ("splash", dict(score_mod=mods.alibi(np.ones(2, np.float32))), "score_mod"),
+    ("splash", dict(mask_mod=mods.prefix_lm(np.array([3, 4]))), "mask_mod"),
+    ("splash", dict(mask_mod=lambda b, n, t, s: s <= t), "mask_mod"),
+    ("splash", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
+    ("pallas", dict(local_window_size=4), "local_window_size"),
+    ("pallas", dict(query_seq_lengths=np.array([3, 4])), "query_seq_lengths"),
+    ("pallas", dict(q_segment_ids=IDS, kv_segment_ids=OTHER_IDS), "kv_segment_ids"),
+    ("pallas", dict(return_weights=True), "return_weights"),
+])
+def test_explicit_kernel_names_what_it_cannot_honour(impl, kw, name):
+  q, k, v = _arrays(2, 2, "BTNH")
+  with pallas_interpret(), raises(ValueError, f"implementation='{impl}'.*{name}"):
+    jattn.dot_product_attention(q, k, v, implementation=impl, **kw)
+
+
+def test_splash_without_interpret_on_cpu_names_the_platform():
+  q, k, v = _arrays(2, 2, "BTNH")
+  with raises(ValueError, "implementation='splash'.*TPU.*'cpu'"):
+    jattn.dot_product_attention(q, k, v, implementation="splash")
+
+
+# ---------------------------------------------------------------- the default rule
+
+
+@pytest.mark.parametrize("platform, dtype, kw, expected", [
+    ("tpu", jnp.float32, dict(is_causal=True), "splash"),
+    ("tpu", jnp.bfloat16, dict(mask_mod=mods.sliding_window(8)), "splash"),
+    ("tpu", jnp.float32, dict(bias=np.zeros((1, 1, T, T), np.float32)), "xla"),
+    ("tpu", jnp.float32, dict(return_weights=True), "xla"),
+    ("gpu", jnp.bfloat16, dict(is_causal=True), "cudnn"),
+    ("gpu", jnp.float32, dict(is_causal=True), "pallas"),
+    ("gpu", jnp.bfloat16, dict(q_segment_ids=IDS, kv_segment_ids=IDS), "pallas"),
+    ("gpu", jnp.float32, dict(local_window_size=3), "xla"),
+    ("cpu", jnp.float32, dict(is_causal=True), "blockwise"),
+])
+def test_default_picks_what_the_rule_says(monkeypatch, platform, dtype, kw, expected):
+  seen = {}
+
+  def fake_compute(*args, impl, **kwargs):
+    seen["impl"] = impl
+    return args[0], None, None
+
+  fake_compute.__wrapped__ = fake_compute
+  monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform=platform)])
+  monkeypatch.setattr(dpa, "_compute", fake_compute)
+  q, k, v = (x.astype(dtype) for x in _arrays(2, 2, "BTNH"))
+  jattn.dot_product_attention(q, k, v, **kw)
+  assert seen["impl"] == expected
+
+
+def test_default_on_accelerators_switches_to_blockwise_when_logits_are_large():
+  args = dict(T=16384, S=16384, return_weights=False, cudnn_reason="no",
+              splash_reason="no", pallas_reason="no", B=1, N=8)
+  assert default_implementation(platform="tpu", **args) == "blockwise"
+  assert default_implementation(platform="gpu", **args) == "blockwise"
+  assert default_implementation(platform="tpu", **{**args, "T": 1024, "S": 1024}) == "xla"
