@@ -68,7 +68,7 @@ def attend(q: Float[Array, "H"], k: Float[Array, "S H"], v: Float[Array, "S D"],
       argument and the shapes).
     TypeError: an input that is not a floating array, or a non-bool mask.
 
-  Example:
+  Examples:
     >>> import jax, jattn
     >>> q, k, v = jax.numpy.ones(8), jax.numpy.ones((6, 8)), jax.numpy.ones((6, 4))
     >>> jattn.attend(q, k, v).shape

@@ -89,7 +89,7 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, layout="rows",
       layout (the message names the argument and the shapes).
     TypeError: non-floating inputs or a non-bool mask.
 
-  Example:
+  Examples:
     >>> import jax, jattn
     >>> q, k, v = (jax.random.normal(jax.random.key(i), (5, 8)) for i in range(3))
     >>> rows = jattn.attention(q, k, v)                                   # [T, D]
@@ -130,7 +130,7 @@ def project_qkv(x, w_q, w_k, w_v, *, layout="rows"):
   Raises:
     ValueError: an unknown layout or shapes that do not fit, named.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> q, k, v = jattn.project_qkv(jnp.ones((5, 4)), jnp.ones((4, 3)), jnp.ones((4, 3)),
     ...                             jnp.ones((4, 2)))

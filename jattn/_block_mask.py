@@ -42,7 +42,7 @@ class BlockMask:
       arrays it captured as leaves (so a block mask made inside jit can leave
       it); a call that passes no mask_mod uses it.
 
-  Example:
+  Examples:
     >>> import jattn
     >>> bm = jattn.create_block_mask(jattn.mods.causal(), None, None, 256, 256)
     >>> bm.classes.shape   # [1, 1, T / q, S / kv] with the default block sizes

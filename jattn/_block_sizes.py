@@ -19,7 +19,7 @@ class BlockSizes:
   Raises:
     ValueError: a size that is not a positive int, naming the field.
 
-  Example:
+  Examples:
     >>> import jattn
     >>> jattn.BlockSizes(q=128, kv=64)
     BlockSizes(q=128, kv=64)

@@ -164,7 +164,7 @@ def dot_product_attention(
     TypeError: non-floating inputs, a non-bool mask, non-integer lengths or
       segment ids, a mask_mod or score_mod that is not callable.
 
-  Example:
+  Examples:
     >>> import jax, jattn
     >>> q = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))    # [B, T, N, H]
     >>> kv = jax.random.normal(jax.random.key(1), (2, 16, 2, 8))   # [B, S, K, H], K = 2

@@ -25,7 +25,7 @@ def _window(window) -> tuple[int, int]:
 def causal_mask(T: int, S: int) -> jax.Array:
   """bool [T, S]: query i attends key j when j <= i (aligned at the start, as jax.nn).
 
-  Example:
+  Examples:
     >>> import jattn
     >>> jattn.causal_mask(2, 3).astype(int).tolist()
     [[1, 0, 0], [1, 1, 0]]
@@ -38,7 +38,7 @@ def local_mask(T: int, S: int, window) -> jax.Array:
 
   window: int w for (w, w), or (left, right), as jax.nn's local_window_size.
 
-  Example:
+  Examples:
     >>> import jattn
     >>> jattn.local_mask(3, 3, (1, 0)).astype(int).tolist()
     [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
@@ -53,7 +53,7 @@ def padding_mask(q_lengths, kv_lengths, T: int, S: int) -> jax.Array:
 
   Either length may be None (no padding on that side): lengths are int [B].
 
-  Example:
+  Examples:
     >>> import jattn
     >>> jattn.padding_mask([1, 2], None, 2, 2).astype(int).tolist()
     [[[[1, 1], [0, 0]]], [[[1, 1], [1, 1]]]]
@@ -75,7 +75,7 @@ def segment_mask(q_segment_ids, kv_segment_ids) -> jax.Array:
 
   q_segment_ids int [B, T], kv_segment_ids int [B, S]: packed sequences.
 
-  Example:
+  Examples:
     >>> import jattn
     >>> jattn.segment_mask([[0, 0, 1]], [[0, 0, 1]])[0, 0].astype(int).tolist()
     [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
@@ -90,7 +90,7 @@ def combine_masks(*masks) -> jax.Array | None:
 
   The masks broadcast against each other (e.g. [T, S] with [B, 1, T, S]).
 
-  Example:
+  Examples:
     >>> import jattn
     >>> m = jattn.combine_masks(jattn.causal_mask(2, 2), None, jattn.padding_mask(None, [1], 2, 2))
     >>> m.astype(int).tolist()

@@ -60,7 +60,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
       an unsupported argument (bias, mask, local window, dropout), or any
       check of `dot_product_attention`, naming the argument and shapes.
 
-  Example:
+  Examples:
     >>> import jax, jattn
     >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("seq",))   # P = 1 here; 8 on 8 devices
     >>> q = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))    # [B, T, N, H]

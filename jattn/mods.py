@@ -107,7 +107,7 @@ def causal() -> Causal:
   A mask mod is called on one entry (b, n, t, s) of the [B, N, T, S] grid
   (int scalars) and returns a bool scalar, True = may attend.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.causal()(0, 0, jnp.int32(2), jnp.int32(3))
     Array(False, dtype=bool)
@@ -122,7 +122,7 @@ def sliding_window(left: int, right: int = 0) -> SlidingWindow:
     left: keys before the query it may see.
     right: keys after it (0: none).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.sliding_window(2)(0, 0, jnp.int32(5), jnp.int32(3))
     Array(True, dtype=bool)
@@ -136,7 +136,7 @@ def chunked(size: int) -> Chunked:
   Raises:
     ValueError: size < 1.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.chunked(4)(0, 0, jnp.int32(3), jnp.int32(4))
     Array(False, dtype=bool)
@@ -152,7 +152,7 @@ def prefix_lm(prefix_lengths) -> PrefixLM:
   Args:
     prefix_lengths: int [B], each batch element's prefix length.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.prefix_lm(jnp.array([4]))(0, 0, jnp.int32(1), jnp.int32(3))
     Array(True, dtype=bool)
@@ -167,7 +167,7 @@ def document(q_segment_ids, kv_segment_ids=None) -> Document:
     q_segment_ids: int [B, T].
     kv_segment_ids: int [B, S]; defaults to q_segment_ids (self-attention).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.document(jnp.array([[0, 0, 1]]))(0, 0, jnp.int32(1), jnp.int32(2))
     Array(False, dtype=bool)
@@ -178,7 +178,7 @@ def document(q_segment_ids, kv_segment_ids=None) -> Document:
 def and_masks(*mask_mods) -> And:
   """A mask mod that is True where every one of mask_mods is.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.sliding_window(1))(0, 0, jnp.int32(5), jnp.int32(3))
     Array(False, dtype=bool)
@@ -189,7 +189,7 @@ def and_masks(*mask_mods) -> And:
 def or_masks(*mask_mods) -> Or:
   """A mask mod that is True where any one of mask_mods is.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.or_masks(jattn.mods.causal(), jattn.mods.chunked(4))(0, 0, jnp.int32(0), jnp.int32(3))
     Array(True, dtype=bool)
@@ -246,7 +246,7 @@ def soft_cap(cap) -> SoftCap:
   Raises:
     ValueError: a number cap that is not positive.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.soft_cap(2.0)(jnp.float32(100.0), 0, 0, 0, 0)
     Array(2., dtype=float32)
@@ -265,7 +265,7 @@ def alibi(slopes) -> Alibi:
   Raises:
     ValueError: slopes that are not one-dimensional.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.alibi(jnp.array([0.5]))(jnp.float32(1.0), 0, 0, jnp.int32(4), jnp.int32(2))
     Array(0., dtype=float32)
@@ -280,7 +280,7 @@ def alibi_slopes(num_heads: int) -> jnp.ndarray:
 
   Positive: with alibi(), a key s < t is penalised by slopes[n] * (t - s).
 
-  Example:
+  Examples:
     >>> import jattn
     >>> jattn.mods.alibi_slopes(2).tolist()
     [0.0625, 0.00390625]
@@ -298,7 +298,7 @@ def relative_bias(table) -> RelativeBias:
   Raises:
     ValueError: a table that is not [N, 2M + 1] with an odd width.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn
     >>> jattn.mods.relative_bias(jnp.array([[1.0, 2.0, 3.0]]))(jnp.float32(0.0), 0, 0, jnp.int32(0), jnp.int32(5))
     Array(3., dtype=float32)

@@ -26,7 +26,7 @@ def rope(x: jax.Array, positions: jax.Array, *, base: float = DEFAULT_BASE) -> j
   Raises:
     ValueError: x not [T, H], H odd, or positions not [T].
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn.rope
     >>> jattn.rope.rope(jnp.ones((3, 4)), jnp.arange(3)).shape
     (3, 4)
@@ -58,7 +58,7 @@ def rope_heads(x: jax.Array, positions: jax.Array, *, layout: str,
   `jattn.rope.rope` on every batch element and head; layout is "rows" or
   "columns", as the modules' (its ValueErrors are rope's).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jattn.rope
     >>> jattn.rope.rope_heads(jnp.ones((2, 3, 4, 8)), jnp.zeros((2, 3), int), layout="rows").shape
     (2, 3, 4, 8)

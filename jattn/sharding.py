@@ -40,7 +40,7 @@ PER_EXAMPLE = P("data")  # [B, ...]
 def path_name(path) -> str:
   """"params/blocks/0/attention/query/kernel" for a pytree key path.
 
-  Example:
+  Examples:
     >>> import jax, jattn
     >>> path, _ = jax.tree_util.tree_flatten_with_path({"blocks": [{"w_in": 0}]})[0][0]
     >>> jattn.sharding.path_name(path)
@@ -66,7 +66,7 @@ def partition_spec(name: str, ndim: int) -> P:
     A PartitionSpec over ("data", "model", "seq"); P() (replicated) when no
     rule matches.
 
-  Example:
+  Examples:
     >>> import jattn
     >>> jattn.sharding.partition_spec("blocks/0/attention/query/kernel", 3)
     P(None, 'model', None)
@@ -88,7 +88,7 @@ def state_shardings(tree, mesh: Mesh):
   Axes the mesh lacks are replicated. Use as jit's in/out shardings of the
   train state (see docs/scaling.md).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, jattn
     >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
     >>> params = {"mlp": {"w_in": jnp.ones((16, 64))}}               # [F, E]
@@ -104,7 +104,7 @@ def state_shardings(tree, mesh: Mesh):
 def batch_shardings(batch, mesh: Mesh):
   """tokens [B, T] over ("data", "seq"); any other [B, ...] array over "data".
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, jattn
     >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
     >>> jattn.sharding.batch_shardings({"tokens": jnp.ones((2, 8), int)}, mesh)["tokens"].spec
