@@ -84,6 +84,18 @@ def create_block_mask(mask_mod, B, N, T: int, S: int, *,
   block_sizes: those of the blockwise call that will use it (the platform's
   default when None), clipped to T and S. Runs under jit, in memory linear in
   T and S.
+
+  Raises:
+    ValueError: non-positive sizes, or a mask_mod that does not return a bool
+      scalar for one entry; TypeError: a mask_mod that is not callable.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> ids = jnp.repeat(jnp.arange(4), 256)[None]                # [B, T]: 4 documents
+    >>> bm = jattn.create_block_mask(jattn.mods.document(ids), 1, None, 1024, 1024,
+    ...                              block_sizes=jattn.BlockSizes(q=256, kv=256))
+    >>> bm.classes[0, 0].tolist()                                 # 2 = full, 0 = empty
+    [[2, 0, 0, 0], [0, 2, 0, 0], [0, 0, 2, 0], [0, 0, 0, 2]]
   """
   for name, size in (("B", B), ("N", N)):
     if size is not None and (not isinstance(size, int) or size < 1):
