@@ -51,6 +51,28 @@ def attend(q: Float[Array, "H"], k: Float[Array, "S H"], v: Float[Array, "S D"],
   out = sum_s softmax_s(q . k[s] * scale + bias[s]) v[s], over the keys where
   mask [S] is True; scale defaults to 1 / sqrt(H). A query that may attend to
   no key returns zeros.
+
+  Args:
+    q: the query, [H].
+    k: the keys, [S, H].
+    v: the values, [S, D].
+    mask: optional bool [S], True = may attend.
+    bias: optional float [S], added to the scaled logits.
+    scale: the logits' factor; None for 1 / sqrt(H).
+
+  Returns:
+    out [D], in q's dtype (logits and softmax in float32 for half precision).
+
+  Raises:
+    ValueError: a rank or shape that does not fit (the message names the
+      argument and the shapes).
+    TypeError: an input that is not a floating array, or a non-bool mask.
+
+  Examples:
+    >>> import jax, jattn
+    >>> q, k, v = jax.numpy.ones(8), jax.numpy.ones((6, 8)), jax.numpy.ones((6, 4))
+    >>> jattn.attend(q, k, v).shape
+    (4,)
   """
   q, k, v = _checks.single_head_arrays(q, k, v, q_rank=1, layout="rows")
   S = k.shape[0]

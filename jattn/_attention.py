@@ -71,7 +71,31 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, layout="rows",
 
   mask is bool, True = may attend; scale defaults to 1 / sqrt(H). A query that
   may attend to no key gets zeros. With return_weights=True, returns
-  (out, weights).
+  (out, weights). It is `jattn.attend` under `jax.vmap` over the queries.
+
+  Args:
+    q, k, v: one head's queries, keys and values, in the shapes above.
+    mask: optional bool [T, S] (rows) or [S, T] (columns), True = may attend.
+    bias: optional float, same shape as mask, added to the scaled logits.
+    scale: the logits' factor; None for 1 / sqrt(H).
+    layout: "rows" or "columns".
+    return_weights: also return the softmax weights.
+
+  Returns:
+    out [T, D] (rows) or [D, T] (columns); with return_weights, (out, weights).
+
+  Raises:
+    ValueError: an unknown layout, or shapes that do not fit each other or the
+      layout (the message names the argument and the shapes).
+    TypeError: non-floating inputs or a non-bool mask.
+
+  Examples:
+    >>> import jax, jattn
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (5, 8)) for i in range(3))
+    >>> rows = jattn.attention(q, k, v)                                   # [T, D]
+    >>> cols = jattn.attention(q.T, k.T, v.T, layout="columns")           # [D, T]
+    >>> bool(jax.numpy.allclose(rows, cols.T, atol=1e-5))
+    True
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -93,6 +117,25 @@ def project_qkv(x, w_q, w_k, w_v, *, layout="rows"):
 
   rows: x [T, P], w_q/w_k [P, H], w_v [P, D] -> q [T, H], k [T, H], v [T, D].
   columns: x [P, T], w_q/w_k [H, P], w_v [D, P] -> q [H, T], k [H, T], v [D, T].
+  (P is the token features, F elsewhere.)
+
+  Args:
+    x: the tokens' features.
+    w_q, w_k, w_v: the projection matrices, in the layout's orientation.
+    layout: "rows" or "columns".
+
+  Returns:
+    (q, k, v), ready for `jattn.attention` with the same layout.
+
+  Raises:
+    ValueError: an unknown layout or shapes that do not fit, named.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> q, k, v = jattn.project_qkv(jnp.ones((5, 4)), jnp.ones((4, 3)), jnp.ones((4, 3)),
+    ...                             jnp.ones((4, 2)))
+    >>> q.shape, v.shape
+    ((5, 3), (5, 2))
   """
   x, w_q, w_k, w_v = _checks.projection_arrays(x, w_q, w_k, w_v, layout=layout)
   if layout == "rows":

@@ -29,14 +29,24 @@ _ENTRIES_PER_STEP = 1 << 20
 class BlockMask:
   """The block classes of a mask_mod, for reuse across calls and layers (a pytree).
 
-  classes: int8 [B|1, N|1, ceil(T / q), ceil(S / kv)], EMPTY (0), PARTIAL (1)
-    or FULL (2) per (batch, head, query block, key block); B or N is 1 when
-    the mask_mod was declared independent of it (B or N None).
-  block_sizes: the (clipped) `BlockSizes` it was made with; a call uses them.
-  B, N (int or None), T, S: the sizes it was made for.
-  mask_jaxpr, mask_consts: the mask_mod it classifies, traced, with the arrays
-    it captured as leaves (so a block mask made inside jit can leave it); a
-    call that passes no mask_mod uses it.
+  Made by `jattn.create_block_mask`; pass it as `block_mask=` to
+  `jattn.dot_product_attention` (or a module's call) in every layer.
+
+  Attributes:
+    classes: int8 [B|1, N|1, ceil(T / q), ceil(S / kv)], EMPTY (0), PARTIAL (1)
+      or FULL (2) per (batch, head, query block, key block); B or N is 1 when
+      the mask_mod was declared independent of it (B or N None).
+    block_sizes: the (clipped) `BlockSizes` it was made with; a call uses them.
+    B, N (int or None), T, S: the sizes it was made for.
+    mask_jaxpr, mask_consts: the mask_mod it classifies, traced, with the
+      arrays it captured as leaves (so a block mask made inside jit can leave
+      it); a call that passes no mask_mod uses it.
+
+  Examples:
+    >>> import jattn
+    >>> bm = jattn.create_block_mask(jattn.mods.causal(), None, None, 256, 256)
+    >>> bm.classes.shape   # [1, 1, T / q, S / kv] with the default block sizes
+    (1, 1, 1, 1)
   """
 
   classes: jax.Array
@@ -74,6 +84,18 @@ def create_block_mask(mask_mod, B, N, T: int, S: int, *,
   block_sizes: those of the blockwise call that will use it (the platform's
   default when None), clipped to T and S. Runs under jit, in memory linear in
   T and S.
+
+  Raises:
+    ValueError: non-positive sizes, or a mask_mod that does not return a bool
+      scalar for one entry; TypeError: a mask_mod that is not callable.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> ids = jnp.repeat(jnp.arange(4), 256)[None]                # [B, T]: 4 documents
+    >>> bm = jattn.create_block_mask(jattn.mods.document(ids), 1, None, 1024, 1024,
+    ...                              block_sizes=jattn.BlockSizes(q=256, kv=256))
+    >>> bm.classes[0, 0].tolist()                                 # 2 = full, 0 = empty
+    [[2, 0, 0, 0], [0, 2, 0, 0], [0, 0, 2, 0], [0, 0, 0, 2]]
   """
   for name, size in (("B", B), ("N", N)):
     if size is not None and (not isinstance(size, int) or size < 1):

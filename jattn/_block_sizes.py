@@ -11,6 +11,18 @@ class BlockSizes:
 
   A size larger than the sequence is clipped to it; sequences that are not a
   multiple of the block are padded internally (and the padding masked).
+
+  Attributes:
+    q: queries per block (rows of T).
+    kv: keys and values per block (rows of S).
+
+  Raises:
+    ValueError: a size that is not a positive int, naming the field.
+
+  Examples:
+    >>> import jattn
+    >>> jattn.BlockSizes(q=128, kv=64)
+    BlockSizes(q=128, kv=64)
   """
 
   q: int

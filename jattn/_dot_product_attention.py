@@ -172,6 +172,21 @@ def dot_product_attention(
   return_residual; (out, weights, lse) with both.
   A query that may attend to no key returns zeros, with finite gradients.
   Logits and softmax are computed in float32; the output has value's dtype.
+
+  Raises:
+    ValueError: shapes that do not fit each other or the layout, N not a
+      multiple of K, an unknown layout or implementation, or an implementation
+      that cannot honour the call (e.g. return_weights with "blockwise", a mod
+      with "cudnn"); the message names the argument and the shapes.
+    TypeError: non-floating inputs, a non-bool mask, non-integer lengths or
+      segment ids, a mask_mod or score_mod that is not callable.
+
+  Examples:
+    >>> import jax, jattn
+    >>> q = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))    # [B, T, N, H]
+    >>> kv = jax.random.normal(jax.random.key(1), (2, 16, 2, 8))   # [B, S, K, H], K = 2
+    >>> jattn.dot_product_attention(q, kv, kv, is_causal=True).shape   # [B, T, N, D]
+    (2, 16, 4, 8)
   """
   _check_implementation(implementation, block_sizes)
   if implementation == "cudnn":

@@ -42,6 +42,22 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, *,
   A row that may attend to no key returns zeros (flax's averages the values).
   The einsum hooks (`einsum_dot_general`, `qk_attn_weights_einsum`,
   `attn_weights_value_einsum`) raise a ValueError: jattn does its own products.
+
+  Shapes are flax's: query [B, T, N, H], key [B, S, K, H], value [B, S, K, D],
+  mask broadcastable to [B, N, T, S] (bool, or float with nonzero = may
+  attend) -> [B, T, N, D].
+
+  Raises:
+    ValueError: one of the hooks above, or any check of
+      `jattn.dot_product_attention` (naming the argument and shapes).
+
+  Examples:
+    >>> import functools, jax, jattn
+    >>> from flax import nnx
+    >>> attn = nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0),
+    ...     attention_fn=functools.partial(jattn.flax_attention_fn, implementation="blockwise"))
+    >>> attn(jax.numpy.ones((2, 16, 32))).shape
+    (2, 16, 32)
   """
   for name, given in zip(_EINSUM_HOOKS, (einsum_dot_general, qk_attn_weights_einsum,
                                          attn_weights_value_einsum)):

@@ -23,7 +23,13 @@ def _window(window) -> tuple[int, int]:
 
 
 def causal_mask(T: int, S: int) -> jax.Array:
-  """bool [T, S]: query i attends key j when j <= i (aligned at the start, as jax.nn)."""
+  """bool [T, S]: query i attends key j when j <= i (aligned at the start, as jax.nn).
+
+  Examples:
+    >>> import jattn
+    >>> jattn.causal_mask(2, 3).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0]]
+  """
   return jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
 
 
@@ -31,6 +37,11 @@ def local_mask(T: int, S: int, window) -> jax.Array:
   """bool [T, S]: query i attends keys i - left <= j <= i + right.
 
   window: int w for (w, w), or (left, right), as jax.nn's local_window_size.
+
+  Examples:
+    >>> import jattn
+    >>> jattn.local_mask(3, 3, (1, 0)).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
   """
   left, right = _window(window)
   offset = jnp.arange(S)[None, :] - jnp.arange(T)[:, None]  # j - i
@@ -40,7 +51,12 @@ def local_mask(T: int, S: int, window) -> jax.Array:
 def padding_mask(q_lengths, kv_lengths, T: int, S: int) -> jax.Array:
   """bool [B, 1, T, S]: query i < q_lengths[b] attends key j < kv_lengths[b].
 
-  Either length may be None (no padding on that side).
+  Either length may be None (no padding on that side): lengths are int [B].
+
+  Examples:
+    >>> import jattn
+    >>> jattn.padding_mask([1, 2], None, 2, 2).astype(int).tolist()
+    [[[[1, 1], [0, 0]]], [[[1, 1], [1, 1]]]]
   """
   q_valid = _valid_positions(q_lengths, T)  # [B or 1, T]
   kv_valid = _valid_positions(kv_lengths, S)  # [B or 1, S]
@@ -58,6 +74,11 @@ def segment_mask(q_segment_ids, kv_segment_ids) -> jax.Array:
   """bool [B, 1, T, S]: query attends key only within the same segment id.
 
   q_segment_ids int [B, T], kv_segment_ids int [B, S]: packed sequences.
+
+  Examples:
+    >>> import jattn
+    >>> jattn.segment_mask([[0, 0, 1]], [[0, 0, 1]])[0, 0].astype(int).tolist()
+    [[1, 1, 0], [1, 1, 0], [0, 0, 1]]
   """
   q_ids = jnp.asarray(q_segment_ids)
   kv_ids = jnp.asarray(kv_segment_ids)
@@ -65,7 +86,16 @@ def segment_mask(q_segment_ids, kv_segment_ids) -> jax.Array:
 
 
 def combine_masks(*masks) -> jax.Array | None:
-  """Logical AND of the masks that are not None; None when all are None."""
+  """Logical AND of the masks that are not None; None when all are None.
+
+  The masks broadcast against each other (e.g. [T, S] with [B, 1, T, S]).
+
+  Examples:
+    >>> import jattn
+    >>> m = jattn.combine_masks(jattn.causal_mask(2, 2), None, jattn.padding_mask(None, [1], 2, 2))
+    >>> m.astype(int).tolist()
+    [[[[1, 0], [1, 0]]]]
+  """
   present = [jnp.asarray(m) for m in masks if m is not None]
   if not present:
     return None

@@ -54,6 +54,18 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
 
   Requires T and S divisible by P (by 2P for the zig-zag order). bias, a dense
   mask, a local window and dropout are not supported here.
+
+  Raises:
+    ValueError: an axis name the mesh lacks, T or S not divisible by P (2P),
+      an unsupported argument (bias, mask, local window, dropout), or any
+      check of `dot_product_attention`, naming the argument and shapes.
+
+  Examples:
+    >>> import jax, jattn
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("seq",))   # P = 1 here; 8 on 8 devices
+    >>> q = jax.random.normal(jax.random.key(0), (1, 32, 2, 8))    # [B, T, N, H]
+    >>> jattn.ring_attention(q, q, q, mesh=mesh, axis_name="seq", is_causal=True).shape
+    (1, 32, 2, 8)
   """
   query = _checks.float_array("query", query)
   key = _checks.float_array("key", key)

@@ -66,6 +66,17 @@ class MultiHeadAttention(nn.Module):
   (a cache position per batch element, `lengths`, is_causal=True). The
   features F are read from inputs_q. Dropout draws from the `dropout` rng
   collection unless the call gives `dropout_rng`.
+
+  Raises:
+    ValueError: as `jattn.nnx.MultiHeadAttention`.
+
+  Examples:
+    >>> import jax, jattn
+    >>> mha = jattn.linen.MultiHeadAttention(num_heads=4, qkv_features=32)
+    >>> x = jax.numpy.ones((2, 16, 32))                            # [B, T, F]
+    >>> params = mha.init(jax.random.key(0), x)
+    >>> mha.apply(params, x).shape
+    (2, 16, 32)
   """
 
   num_heads: int

@@ -103,33 +103,98 @@ class Or:
 
 
 def causal() -> Causal:
+  """The causal mask mod, s <= t: as `is_causal=True`.
+
+  A mask mod is called on one entry (b, n, t, s) of the [B, N, T, S] grid
+  (int scalars) and returns a bool scalar, True = may attend.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.causal()(0, 0, jnp.int32(2), jnp.int32(3))
+    Array(False, dtype=bool)
+  """
   return Causal()
 
 
 def sliding_window(left: int, right: int = 0) -> SlidingWindow:
+  """The mask mod t - left <= s <= t + right: as `local_window_size=(left, right)`.
+
+  Args:
+    left: keys before the query it may see.
+    right: keys after it (0: none).
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.sliding_window(2)(0, 0, jnp.int32(5), jnp.int32(3))
+    Array(True, dtype=bool)
+  """
   return SlidingWindow(int(left), int(right))
 
 
 def chunked(size: int) -> Chunked:
+  """The mask mod t // size == s // size: attention within chunks of `size` tokens.
+
+  Raises:
+    ValueError: size < 1.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.chunked(4)(0, 0, jnp.int32(3), jnp.int32(4))
+    Array(False, dtype=bool)
+  """
   if int(size) < 1:
     raise ValueError(f"chunked: size must be a positive int, got {size!r}")
   return Chunked(int(size))
 
 
 def prefix_lm(prefix_lengths) -> PrefixLM:
+  """The mask mod s <= t or s < prefix_lengths[b]: bidirectional over a prefix.
+
+  Args:
+    prefix_lengths: int [B], each batch element's prefix length.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.prefix_lm(jnp.array([4]))(0, 0, jnp.int32(1), jnp.int32(3))
+    Array(True, dtype=bool)
+  """
   return PrefixLM(prefix_lengths)
 
 
 def document(q_segment_ids, kv_segment_ids=None) -> Document:
-  """kv_segment_ids defaults to q_segment_ids (self-attention)."""
+  """The mask mod q_segment_ids[b, t] == kv_segment_ids[b, s]: packed documents.
+
+  Args:
+    q_segment_ids: int [B, T].
+    kv_segment_ids: int [B, S]; defaults to q_segment_ids (self-attention).
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.document(jnp.array([[0, 0, 1]]))(0, 0, jnp.int32(1), jnp.int32(2))
+    Array(False, dtype=bool)
+  """
   return Document(q_segment_ids, q_segment_ids if kv_segment_ids is None else kv_segment_ids)
 
 
 def and_masks(*mask_mods) -> And:
+  """A mask mod that is True where every one of mask_mods is.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.sliding_window(1))(0, 0, jnp.int32(5), jnp.int32(3))
+    Array(False, dtype=bool)
+  """
   return And(tuple(mask_mods))
 
 
 def or_masks(*mask_mods) -> Or:
+  """A mask mod that is True where any one of mask_mods is.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.or_masks(jattn.mods.causal(), jattn.mods.chunked(4))(0, 0, jnp.int32(0), jnp.int32(3))
+    Array(True, dtype=bool)
+  """
   return Or(tuple(mask_mods))
 
 
@@ -171,12 +236,41 @@ class RelativeBias:
 
 
 def soft_cap(cap) -> SoftCap:
+  """The score mod cap * tanh(score / cap): logits bounded by +-cap (Gemma 2).
+
+  A score mod is called as score_mod(score, b, n, t, s) on one scaled logit and
+  returns the new logit.
+
+  Args:
+    cap: a positive float, or a float array (its gradient is exact).
+
+  Raises:
+    ValueError: a number cap that is not positive.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.soft_cap(2.0)(jnp.float32(100.0), 0, 0, 0, 0)
+    Array(2., dtype=float32)
+  """
   if isinstance(cap, (int, float)) and not cap > 0:
     raise ValueError(f"soft_cap: cap must be positive, got {cap!r}")
   return SoftCap(cap)
 
 
 def alibi(slopes) -> Alibi:
+  """The score mod score + slopes[n] * (s - t): ALiBi's distance penalty.
+
+  Args:
+    slopes: float [N], one per query head (`alibi_slopes(N)` for ALiBi's).
+
+  Raises:
+    ValueError: slopes that are not one-dimensional.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.alibi(jnp.array([0.5]))(jnp.float32(1.0), 0, 0, jnp.int32(4), jnp.int32(2))
+    Array(0., dtype=float32)
+  """
   if jnp.ndim(slopes) != 1:
     raise ValueError(f"alibi: slopes must be [N], got shape {jnp.shape(slopes)}")
   return Alibi(slopes)
@@ -186,12 +280,30 @@ def alibi_slopes(num_heads: int) -> jnp.ndarray:
   """float32 [N]: ALiBi's geometric slopes 2^(-8 (n + 1) / N).
 
   Positive: with alibi(), a key s < t is penalised by slopes[n] * (t - s).
+
+  Examples:
+    >>> import jattn
+    >>> jattn.mods.alibi_slopes(2).tolist()
+    [0.0625, 0.00390625]
   """
   n = jnp.arange(1, num_heads + 1, dtype=jnp.float32)
   return jnp.exp2(-8.0 * n / num_heads)
 
 
 def relative_bias(table) -> RelativeBias:
+  """The score mod score + table[n, clip(s - t, -M, M) + M]: T5-style bias.
+
+  Args:
+    table: float [N, 2M + 1], a learned bias per head and clipped distance.
+
+  Raises:
+    ValueError: a table that is not [N, 2M + 1] with an odd width.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> jattn.mods.relative_bias(jnp.array([[1.0, 2.0, 3.0]]))(jnp.float32(0.0), 0, 0, jnp.int32(0), jnp.int32(5))
+    Array(3., dtype=float32)
+  """
   shape = jnp.shape(table)
   if len(shape) != 2 or shape[1] % 2 != 1:
     raise ValueError(f"relative_bias: table must be [N, 2M + 1] (odd width), got shape {shape}")

@@ -76,6 +76,23 @@ class MultiHeadAttention(nnx.Module):
     implementation: passed to jattn.dot_product_attention.
     use_sinks: a learned attention sink per query head, the parameter
       `sinks` [N] (zeros at init); see `dot_product_attention(sinks=)`.
+
+  Raises:
+    ValueError: num_heads not divisible by num_kv_heads, features not divisible
+      by num_heads, an unknown layout, a deprecated hook, or (in the call)
+      inputs whose shapes do not fit, named with the shapes.
+
+  Examples:
+    >>> import jax, jattn
+    >>> from flax import nnx
+    >>> mha = jattn.nnx.MultiHeadAttention(num_heads=4, in_features=32, num_kv_heads=2,
+    ...                                    rngs=nnx.Rngs(0))
+    >>> x = jax.numpy.ones((2, 16, 32))                            # [B, T, F]
+    >>> mha(x, is_causal=True).shape                               # [B, T, F]
+    (2, 16, 32)
+    >>> mha.init_cache(2, 16)                                      # KV-cache decoding
+    >>> mha(x[:, :3], is_causal=True, decode=True).shape           # a prompt, then tokens
+    (2, 3, 32)
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features=None,

@@ -16,7 +16,21 @@ DEFAULT_BASE = 10_000.0
 
 def rope(x: jax.Array, positions: jax.Array, *, base: float = DEFAULT_BASE) -> jax.Array:
   """x [T, H], positions int [T] -> x rotated, [T, H] (H even; the "rotate half"
-  pairing of GPT-NeoX and gemma). Computed in float32, returned in x's dtype."""
+  pairing of GPT-NeoX and gemma). Computed in float32, returned in x's dtype.
+
+  Args:
+    x: one head's queries or keys, [T, H].
+    positions: int [T], each token's position.
+    base: the frequencies' base (10000).
+
+  Raises:
+    ValueError: x not [T, H], H odd, or positions not [T].
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn.rope
+    >>> jattn.rope.rope(jnp.ones((3, 4)), jnp.arange(3)).shape
+    (3, 4)
+  """
   if x.ndim != 2:
     raise ValueError(f"x: expected rank 2 [T, H], got shape {x.shape}")
   T, H = x.shape
@@ -39,7 +53,16 @@ _HEADS_AXES = {"rows": (2, 0), "columns": (1, 0)}
 def rope_heads(x: jax.Array, positions: jax.Array, *, layout: str,
                base: float = DEFAULT_BASE) -> jax.Array:
   """x [B, T, N, H] (rows) or [B, N, H, T] (columns), positions int [B, T]
-  (each batch element its own) -> x rotated, same shape."""
+  (each batch element its own) -> x rotated, same shape.
+
+  `jattn.rope.rope` on every batch element and head; layout is "rows" or
+  "columns", as the modules' (its ValueErrors are rope's).
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn.rope
+    >>> jattn.rope.rope_heads(jnp.ones((2, 3, 4, 8)), jnp.zeros((2, 3), int), layout="rows").shape
+    (2, 3, 4, 8)
+  """
   one = lambda x, p: rope(x, p, base=base)  # noqa: E731
   if layout == "columns":
     one = lambda x, p: rope(x.T, p, base=base).T  # noqa: E731  [H, T] <-> [T, H]

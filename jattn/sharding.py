@@ -38,7 +38,14 @@ PER_EXAMPLE = P("data")  # [B, ...]
 
 
 def path_name(path) -> str:
-  """"params/blocks/0/attention/query/kernel" for a pytree key path."""
+  """"params/blocks/0/attention/query/kernel" for a pytree key path.
+
+  Examples:
+    >>> import jax, jattn
+    >>> path, _ = jax.tree_util.tree_flatten_with_path({"blocks": [{"w_in": 0}]})[0][0]
+    >>> jattn.sharding.path_name(path)
+    'blocks/0/w_in'
+  """
   parts = []
   for key in path:
     part = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
@@ -49,7 +56,21 @@ def path_name(path) -> str:
 
 
 def partition_spec(name: str, ndim: int) -> P:
-  """The partition of the parameter (or its optimizer state) called `name`."""
+  """The partition of the parameter (or its optimizer state) called `name`.
+
+  Args:
+    name: its path, as `path_name` spells it; the rules match its end.
+    ndim: its rank; a rule applies only to arrays of its rank.
+
+  Returns:
+    A PartitionSpec over ("data", "model", "seq"); P() (replicated) when no
+    rule matches.
+
+  Examples:
+    >>> import jattn
+    >>> jattn.sharding.partition_spec("blocks/0/attention/query/kernel", 3)
+    P(None, 'model', None)
+  """
   for pattern, spec in PARAMETER_RULES:
     if re.search(pattern, name) and len(spec) == ndim:
       return spec
@@ -62,7 +83,18 @@ def _on_mesh(spec: P, mesh: Mesh) -> P:
 
 
 def state_shardings(tree, mesh: Mesh):
-  """A NamedSharding for every array leaf of `tree` (parameters, optimizer state)."""
+  """A NamedSharding for every array leaf of `tree` (parameters, optimizer state).
+
+  Axes the mesh lacks are replicated. Use as jit's in/out shardings of the
+  train state (see docs/scaling.md).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jattn
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("model",))
+    >>> params = {"mlp": {"w_in": jnp.ones((16, 64))}}               # [F, E]
+    >>> jattn.sharding.state_shardings(params, mesh)["mlp"]["w_in"].spec
+    P(None, 'model')
+  """
   def sharding(path, leaf):
     spec = partition_spec(path_name(path), getattr(leaf, "ndim", 0))
     return NamedSharding(mesh, _on_mesh(spec, mesh))
@@ -70,7 +102,14 @@ def state_shardings(tree, mesh: Mesh):
 
 
 def batch_shardings(batch, mesh: Mesh):
-  """tokens [B, T] over ("data", "seq"); any other [B, ...] array over "data"."""
+  """tokens [B, T] over ("data", "seq"); any other [B, ...] array over "data".
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jattn
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+    >>> jattn.sharding.batch_shardings({"tokens": jnp.ones((2, 8), int)}, mesh)["tokens"].spec
+    P('data', None)
+  """
   def sharding(path, leaf):
     spec = TOKENS if path_name(path).endswith("tokens") else PER_EXAMPLE
     return NamedSharding(mesh, _on_mesh(P(*spec[:leaf.ndim]), mesh))

@@ -27,6 +27,12 @@ POSITION_ENCODINGS = ("learned", "rope")
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
+  """The Transformer's sizes and options (F features, N heads, K kv heads, E MLP width).
+
+  Fields are commented where they are declared; `examples/training.py` checks a
+  config before a run and names a bad field.
+  """
+
   vocab_size: int
   max_len: int
   num_layers: int = 2
@@ -135,7 +141,20 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
   """Decoder-only language model. `attention(config, rngs)` builds each layer's
   attention module (default jattn.nnx.MultiHeadAttention; any module with the
-  call signature of flax.nnx.MultiHeadAttention works, e.g. for comparisons)."""
+  call signature of flax.nnx.MultiHeadAttention works, e.g. for comparisons).
+
+  Call: tokens int [B, T] -> logits [B, T, V]; `init_cache(B)` then
+  `model(tokens, decode=True)` decodes with a KV cache in every layer.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn.transformer as tr
+    >>> from flax import nnx
+    >>> config = tr.TransformerConfig(vocab_size=16, max_len=8, num_layers=1, features=16,
+    ...                               num_heads=2, mlp_features=32)
+    >>> model = tr.Transformer(config, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 8), jnp.int32)).shape                   # [B, T, V]
+    (2, 8, 16)
+  """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs,
                attention: Callable = jattn_attention):
