@@ -261,4 +261,15 @@ class MultiHeadAttention(nn.Module):
 
 class MultiHeadDotProductAttention(MultiHeadAttention):
   """flax.linen's name for the same module, so that a parent's auto-named
-  submodule ("MultiHeadDotProductAttention_0") keeps flax's parameter path."""
+  submodule ("MultiHeadDotProductAttention_0") keeps flax's parameter path.
+
+  Arguments, shapes and errors are those of `jattn.linen.MultiHeadAttention`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jattn.linen
+    >>> layer = jattn.linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
+    >>> x = jnp.ones((1, 8, 16))                                        # [B, T, F]
+    >>> params = layer.init(jax.random.key(0), x)
+    >>> layer.apply(params, x).shape
+    (1, 8, 16)
+  """

@@ -57,7 +57,19 @@ class TransformerConfig:
 
 class RotaryMultiHeadAttention(jattn.nnx.MultiHeadAttention):
   """jattn.nnx.MultiHeadAttention with rotary embeddings on the per-head query
-  and key (the parameters are the same; the cache holds rotated keys)."""
+  and key (the parameters are the same; the cache holds rotated keys).
+
+  Takes the arguments of `jattn.nnx.MultiHeadAttention` (x [B, T, F] for layout
+  "rows", [B, F, T] for "columns" -> the same shape) and raises what it raises;
+  `rope_base` is the rotary base (`jattn.rope.rope`).
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn.transformer as tr
+    >>> from flax import nnx
+    >>> layer = tr.RotaryMultiHeadAttention(2, 16, rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((1, 8, 16)), is_causal=True).shape               # [B, T, F]
+    (1, 8, 16)
+  """
 
   def __init__(self, *args, rope_base: float = DEFAULT_BASE, **kwargs):
     super().__init__(*args, **kwargs)
@@ -70,6 +82,18 @@ class RotaryMultiHeadAttention(jattn.nnx.MultiHeadAttention):
 
 
 def jattn_attention(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
+  """The attention layer `config` asks for: `jattn.nnx.MultiHeadAttention`, or
+  `RotaryMultiHeadAttention` when position_encoding == "rope"; with `use_sinks`
+  when config.sinks. The default `attention` factory of `Transformer` and `Block`.
+
+  Examples:
+    >>> import jattn.transformer as tr
+    >>> from flax import nnx
+    >>> config = tr.TransformerConfig(vocab_size=16, max_len=8, num_layers=1, features=16,
+    ...                               num_heads=2, mlp_features=32)
+    >>> type(tr.jattn_attention(config, nnx.Rngs(0))).__name__
+    'MultiHeadAttention'
+  """
   kwargs = dict(num_kv_heads=config.num_kv_heads, dropout_rate=config.dropout_rate,
                 layout=config.layout, implementation=config.implementation,
                 dtype=config.dtype, rngs=rngs)
@@ -87,7 +111,19 @@ _HEAD = {"rows": "BTF,FV->BTV", "columns": "BFT,FV->BTV"}
 
 
 class MLP(nnx.Module):
-  """x -> gelu(x W_in + b_in) W_out + b_out along the feature axis of either layout."""
+  """x -> gelu(x W_in + b_in) W_out + b_out along the feature axis of either layout.
+
+  x [B, T, F] ("rows") or [B, F, T] ("columns") -> the same shape; W_in [F, E],
+  W_out [E, F] with F = config.features, E = config.mlp_features.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn.transformer as tr
+    >>> from flax import nnx
+    >>> config = tr.TransformerConfig(vocab_size=16, max_len=8, num_layers=1, features=16,
+    ...                               num_heads=2, mlp_features=32)
+    >>> tr.MLP(config, rngs=nnx.Rngs(0))(jnp.ones((2, 8, 16))).shape      # [B, T, F]
+    (2, 8, 16)
+  """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     F, E = config.features, config.mlp_features
@@ -110,7 +146,19 @@ def _norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
 
 
 def layer_mods(window: int | None, logit_soft_cap: float | None) -> dict:
-  """A layer's mask_mod (a causal sliding window of `window` keys back) and score_mod."""
+  """A layer's mask_mod (a causal sliding window of `window` keys back) and score_mod.
+
+  Returns the keyword arguments for `dot_product_attention` / the modules: none,
+  `mask_mod=jattn.mods.sliding_window(window, 0)` and/or
+  `score_mod=jattn.mods.soft_cap(logit_soft_cap)`.
+
+  Examples:
+    >>> import jattn.transformer as tr
+    >>> sorted(tr.layer_mods(4, 50.0))
+    ['mask_mod', 'score_mod']
+    >>> tr.layer_mods(None, None)
+    {}
+  """
   out = {}
   if window is not None:
     out["mask_mod"] = mods.sliding_window(window, 0)
@@ -120,7 +168,22 @@ def layer_mods(window: int | None, logit_soft_cap: float | None) -> dict:
 
 
 class Block(nnx.Module):
-  """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x)).
+
+  x [B, T, F] ("rows") or [B, F, T] ("columns") -> the same shape. The attention
+  is causal, with layer `layer`'s window from config.attention_pattern and
+  config.logit_soft_cap (`layer_mods`); `attention(config, rngs)` builds it
+  (`jattn_attention` in `Transformer`). Keyword arguments of a call go to it.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn.transformer as tr
+    >>> from flax import nnx
+    >>> config = tr.TransformerConfig(vocab_size=16, max_len=8, num_layers=1, features=16,
+    ...                               num_heads=2, mlp_features=32)
+    >>> block = tr.Block(config, tr.jattn_attention, rngs=nnx.Rngs(0))
+    >>> block(jnp.ones((2, 8, 16))).shape                              # [B, T, F]
+    (2, 8, 16)
+  """
 
   def __init__(self, config: TransformerConfig, attention: Callable, *, rngs: nnx.Rngs,
                layer: int = 0):
