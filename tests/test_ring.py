@@ -17,15 +17,20 @@ def run_on_8_devices(script: pathlib.Path, *args: str) -> subprocess.CompletedPr
                         text=True, timeout=900)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("cases,count", [
-    ("quick", 7), pytest.param("all", 12, marks=pytest.mark.thorough)])
-def test_ring_attention_matches_single_device_values_and_gradients(cases, count):
-  result = run_on_8_devices(HERE / "multidevice" / "ring_cases.py", cases)
+def assert_checks_pass(script: str, cases: str, count: int) -> None:
+  """Runs tests/multidevice/<script> on 8 devices; every one of its `count` checks passes."""
+  result = run_on_8_devices(HERE / "multidevice" / script, cases)
   print(result.stdout)
   assert result.returncode == 0, result.stdout + result.stderr
   assert "FAIL" not in result.stdout
   assert result.stdout.count("ok  ") == count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cases,count", [
+    ("quick", 7), pytest.param("all", 12, marks=pytest.mark.thorough)])
+def test_ring_attention_matches_single_device_values_and_gradients(cases, count):
+  assert_checks_pass("ring_cases.py", cases, count)
 
 
 def test_ring_without_a_mesh_says_how_to_set_one():

@@ -6,18 +6,14 @@ import pytest
 
 import jattn
 from jattn import mods
-from tests.test_ring import HERE, run_on_8_devices
+from tests.test_ring import assert_checks_pass
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cases,count", [
     ("quick", 2), pytest.param("all", 3, marks=pytest.mark.thorough)])
 def test_ring_mods_match_single_device_values_and_gradients(cases, count):
-  result = run_on_8_devices(HERE / "multidevice" / "ring_mod_cases.py", cases)
-  print(result.stdout)
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert "FAIL" not in result.stdout
-  assert result.stdout.count("ok  ") == count
+  assert_checks_pass("ring_mod_cases.py", cases, count)
 
 
 def test_ring_mods_refuse_a_sharded_batch():

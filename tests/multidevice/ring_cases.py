@@ -9,7 +9,6 @@ non-causal, causal zig-zag and causal contiguous cases, the lengths with several
 blocks in zig-zag order, and the unbatched layout TNH.
 """
 
-import os
 import sys
 
 import jax
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+import compare  # tests/multidevice/compare.py, beside this script
 import jattn
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -31,23 +31,7 @@ def transpose_to(x, layout):
 
 
 def check(name, ring_fn, ref_fn, arrays):
-  """Compares values and gradients (wrt query, key, value) of two attention functions."""
-  cotangent = jnp.asarray(np.random.default_rng(1).standard_normal(
-      jax.eval_shape(ref_fn, *arrays).shape), jnp.float32)
-  def value_and_grads(fn):
-    """One forward pass for both (jax.vjp); in NumPy, since the ring's results live
-    on the mesh and the reference's on one device."""
-    out, pullback = jax.vjp(fn, *arrays)
-    return np.asarray(out), [np.asarray(g) for g in pullback(cotangent.astype(out.dtype))]
-  (out, grads), (ref, ref_grads) = value_and_grads(ring_fn), value_and_grads(ref_fn)
-  errors = [np.max(np.abs(out - ref))] + [
-      np.max(np.abs(g - r)) for g, r in zip(grads, ref_grads)]
-  ok = all(e <= ATOL for e in errors) and all(np.all(np.isfinite(g)) for g in grads)
-  print(f"{'ok  ' if ok else 'FAIL'} {name}: max |err| out, dq, dk, dv = "
-        + ", ".join(f"{e:.1e}" for e in errors), flush=True)
-  if not ok and os.environ.get("JATTN_FAIL_FAST"):  # tools/mutation/run.py: one is enough
-    sys.exit(1)
-  return ok
+  return compare.check(name, ring_fn, ref_fn, arrays, tol=ATOL)
 
 
 def main():

@@ -6,7 +6,6 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 ("quick": two of the three
 cases, for the default tier). Exits non-zero on any mismatch.
 """
 
-import os
 import sys
 
 import jax
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+import compare  # tests/multidevice/compare.py, beside this script
 import jattn
 from jattn import mods
 
@@ -24,21 +24,7 @@ TOL = 3e-5  # float32, relative to the largest reference entry (at least 1)
 
 
 def check(name, ring_fn, ref_fn, arrays):
-  """Values and gradients with respect to every argument of two functions."""
-  cot = jnp.asarray(np.random.default_rng(1).standard_normal(
-      jax.eval_shape(ref_fn, *arrays).shape), jnp.float32)
-  def value_and_grads(fn):  # one forward pass for both (jax.vjp)
-    out, pullback = jax.vjp(fn, *arrays)
-    return np.asarray(out), [np.asarray(g) for g in pullback(cot.astype(out.dtype))]
-  (out, grads), (ref, ref_grads) = value_and_grads(ring_fn), value_and_grads(ref_fn)
-  errors = [np.max(np.abs(a - b)) / max(1.0, np.max(np.abs(b)))
-            for a, b in zip([out] + grads, [ref] + ref_grads)]
-  ok = all(e <= TOL for e in errors) and all(np.all(np.isfinite(g)) for g in grads)
-  print(f"{'ok  ' if ok else 'FAIL'} {name}: relative max |err| out, grads = "
-        + ", ".join(f"{e:.1e}" for e in errors), flush=True)
-  if not ok and os.environ.get("JATTN_FAIL_FAST"):  # tools/mutation/run.py: one is enough
-    sys.exit(1)
-  return ok
+  return compare.check(name, ring_fn, ref_fn, arrays, tol=TOL, relative=True)
 
 
 def main():
