@@ -230,19 +230,19 @@ def dot_product_attention(
     if not isinstance(flag, bool):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
   mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N, defer_ready_made=True)
-  # issue 11: can jax's fused kernels take this call? (static plans, reasons)
-  plans = {}
+  platform = jax.devices()[0].platform
+  # Can jax's fused kernels take this call? A static plan each, or the reason not.
   lower_args = dict(
-      platform=jax.devices()[0].platform, interpret=_interpret.interpreting(), dims=dims,
+      platform=platform, interpret=_interpret.interpreting(), dims=dims,
       dtype=query.dtype, is_causal=is_causal, window=window, q_lengths=q_lengths,
       kv_lengths=kv_lengths, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
       bias=bias, mask=mask, dropout_rate=float(dropout_rate), return_weights=return_weights,
       return_residual=return_residual, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks,
       block_mask=block_mask)
-  plans["splash"] = _lowering.splash_plan(**lower_args)
-  plans["pallas"] = _lowering.pallas_plan(**lower_args, scale=scale)
+  plans = {"splash": _lowering.splash_plan(**lower_args),
+           "pallas": _lowering.pallas_plan(**lower_args, scale=scale)}
   impl = _resolve_implementation(
-      implementation, block_sizes, platform=jax.devices()[0].platform, dims=dims,
+      implementation, block_sizes, platform=platform, dims=dims,
       dtype=query.dtype, dropout_rate=float(dropout_rate),
       has_segments=q_ids is not None, return_weights=return_weights, scale=scale,
       has_mods=mods is not None,
