@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-import compare  # tests/multidevice/compare.py, beside this script
+from tests.multidevice import compare
 import jattn
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-import compare  # tests/multidevice/compare.py, beside this script
+from tests.multidevice import compare
 import jattn
 from jattn import mods
 
