@@ -136,10 +136,11 @@ def forward_with_count(query, key, value, modifiers: Modifiers, layout: Layout, 
       carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
       m, l, o, count = lax.fori_loop(vis_hi, hi, step(True), carry)
     else:  # the mask_mod's classes: full blocks first (no mask_mod), then partial
-      order, n_full, n_some = _by_class(
-          jnp.minimum(classes[i], _plan_classes(g, g.nk, lo, hi, vis_lo, vis_hi)))
+      order, n_full, n_unmodded, n_some = _by_class(
+          classes[i], _plan_classes(g, g.nk, lo, hi, vis_lo, vis_hi))
       carry = lax.fori_loop(0, n_full, _gathered(step(g.needs_mask, False), order), carry)
-      m, l, o, count = lax.fori_loop(n_full, n_some, _gathered(step(True), order), carry)
+      carry = lax.fori_loop(n_full, n_unmodded, _gathered(step(True, False), order), carry)
+      m, l, o, count = lax.fori_loop(n_unmodded, n_some, _gathered(step(True), order), carry)
     seen = l > 0.0
     o = o / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
@@ -242,11 +243,12 @@ def backward_with_score_grads(query, key, value, modifiers: Modifiers, layout: L
       carry = lax.fori_loop(vis_lo, vis_hi, step(g.needs_mask), carry)
       dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(vis_hi, hi, step(True), carry)
     else:
-      order, n_full, n_some = _by_class(
-          jnp.minimum(classes[:, j], _plan_classes(g, g.nq, lo, hi, vis_lo, vis_hi)))
+      order, n_full, n_unmodded, n_some = _by_class(
+          classes[:, j], _plan_classes(g, g.nq, lo, hi, vis_lo, vis_hi))
       carry = lax.fori_loop(0, n_full, _gathered(step(g.needs_mask, False), order), carry)
+      carry = lax.fori_loop(n_full, n_unmodded, _gathered(step(True, False), order), carry)
       dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(
-          n_full, n_some, _gathered(step(True), order), carry)
+          n_unmodded, n_some, _gathered(step(True), order), carry)
     return (dq_t, d_bias, d_consts), (dk, dv)
 
   d_bias0 = None if g.bias is None else jnp.zeros(g.bias.shape, g.acc)
@@ -277,10 +279,22 @@ def _plan_classes(g, count: int, lo, hi, vis_lo, vis_hi):
   return jnp.where(full, FULL, jnp.where((at >= lo) & (at < hi), PARTIAL, EMPTY)).astype(jnp.int8)
 
 
-def _by_class(classes):
-  """Block indices with FULL ones first, then PARTIAL (each ascending), and their counts."""
-  order = jnp.argsort(-classes.astype(jnp.int32), stable=True)
-  return order, jnp.sum(classes == FULL), jnp.sum(classes != EMPTY)
+def _by_class(table, plan):
+  """Block indices in the order the loops visit them, and where each group ends.
+
+  table: the block mask's (or mask_mod's) classes; plan: the structural ones
+  (padding, causal, ...). Groups, each ascending: FULL in both (no mask at all);
+  FULL in the table only (the structural mask, but no mask_mod: a block the block
+  mask calls full never calls mask_mod, whatever padding or block size the other
+  pass has, so that forward and backward agree); PARTIAL in the table (every mask).
+  Returns (order, end of the first group, of the second, of the third).
+  """
+  some = (table != EMPTY) & (plan != EMPTY)
+  no_mod = some & (table == FULL)
+  group = jnp.where(no_mod & (plan == FULL), 3, jnp.where(no_mod, 2, jnp.where(some, 1, 0)))
+  order = jnp.argsort(-group, stable=True)
+  n_full = jnp.sum(group == 3)
+  return order, n_full, n_full + jnp.sum(group == 2), jnp.sum(some)
 
 
 def _gathered(body, order):

@@ -13,6 +13,7 @@ from jattn import _blockwise, mods
 from jattn._layout import Layout
 from jattn._modifiers import Modifiers
 from jattn._programmable import build_mods
+from reference_grads import reference_vjp
 from tests.helpers import raises
 from tests.test_mods import B, BS, IDS_KV, IDS_Q, KEY, MASKS, N, Q, S, T, V, reference
 
@@ -65,18 +66,27 @@ def test_made_inside_jit_and_passed_into_jit():
   np.testing.assert_allclose(got, second, rtol=2e-5, atol=2e-5)
 
 
-def test_mask_mod_is_not_called_on_full_blocks():
+@pytest.mark.parametrize("user_mask", [False, True], ids=["alone", "with_a_user_mask"])
+def test_mask_mod_is_not_called_on_full_blocks(user_mask):
   """A block mask of causal() with a mask_mod that also drops odd keys: blocks the
-  block mask calls full keep their odd keys (mask_mod is not evaluated there)."""
+  block mask calls full keep their odd keys (mask_mod is not evaluated there), in
+  the forward and the backward alike: also the last blocks, which hold padding
+  (T = 13, S = 11 with 4 x 3 blocks) and so run masked, and when a user mask (all
+  True) makes every block run masked."""
   bm = jattn.create_block_mask(mods.causal(), None, None, T, S, block_sizes=BS)
   even = lambda b, n, t, s: (s <= t) & (s % 2 == 0)
-  out = jattn.dot_product_attention(Q, KEY, V, implementation="blockwise", block_mask=bm,
-                                    mask_mod=even)
+  extra = dict(mask=jnp.ones((1, 1, T, S), bool)) if user_mask else {}
+  fn = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation="blockwise", block_mask=bm, mask_mod=even, **extra)
+  out, pullback = jax.vjp(fn, Q, KEY, V)
+  d_out = np.random.default_rng(3).standard_normal(out.shape).astype(np.float32)
+  grads = pullback(jnp.asarray(d_out))
   t, s = np.arange(T)[:, None], np.arange(S)[None, :]
   full = np.kron(np.asarray(bm.classes[0, 0]) == FULL, np.ones((4, 3), bool))[:T, :S]
-  full[:, S // 3 * 3:] = False  # the last key block holds padding: always masked
   allowed = np.where(full, s <= t, (s <= t) & (s % 2 == 0))
-  np.testing.assert_allclose(out, reference(Q, KEY, V, allowed=allowed)[0], rtol=2e-5, atol=2e-5)
+  want = reference_vjp(Q, KEY, V, d_out, mask=np.broadcast_to(allowed, (1, 1, T, S)))
+  for name, got, ref in zip(("out", "d_query", "d_key", "d_value"), (out, *grads), want):
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5, err_msg=name)
   assert full.any() and not np.array_equal(allowed, (s <= t) & (s % 2 == 0))
 
 
