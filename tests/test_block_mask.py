@@ -11,6 +11,7 @@ import pytest
 import jattn
 from jattn import _blockwise, mods
 from jattn._layout import Layout
+from jattn._masks import MaskSpec
 from jattn._modifiers import Modifiers
 from jattn._programmable import build_mods
 from reference_grads import reference_vjp
@@ -90,11 +91,12 @@ def test_mask_mod_is_not_called_on_full_blocks(user_mask):
   assert full.any() and not np.array_equal(allowed, (s <= t) & (s % 2 == 0))
 
 
-def _count(mask_mod, T_, S_, block):
+def _count(mask_mod, T_, S_, block, structure=MaskSpec()):
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((1, T_, 2, 4)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((1, S_, 2, 4)), jnp.float32)
-  modifiers = Modifiers(mods=build_mods(mask_mod, None, None, None, N=2), scale=0.5)
+  modifiers = Modifiers(mods=build_mods(mask_mod, None, None, None, N=2), scale=0.5,
+                        structure=structure)
   _, _, count = _blockwise.forward_with_count(
       q, k, k, modifiers, Layout("BTNH"), 0, 0, jattn.BlockSizes(block, block))
   return int(count)
@@ -106,6 +108,9 @@ def test_empty_blocks_are_skipped():
   assert _count(mods.causal(), 64, 64, 8) == 8 * 9 // 2
   assert _count(mods.and_masks(mods.causal(), mods.sliding_window(8)), 64, 64, 8) == 8 + 7
   assert _count(lambda b, n, t, s: s < 0, 64, 64, 8) == 0
+  # the mask_mod's classes and the structural plan together: causal within each
+  # document, 3 of its 2 x 2 blocks
+  assert _count(mods.document(ids, ids), 64, 64, 8, MaskSpec(is_causal=True)) == 4 * 3
 
 
 def test_working_memory_is_linear_in_t_and_s():

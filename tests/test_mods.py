@@ -103,6 +103,19 @@ def test_mask_mods_match_reference(impl, name):
   np.testing.assert_allclose(out, reference(Q, KEY, V, allowed=allowed)[0], **TOL)
 
 
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_mask_mods_with_four_kv_heads(impl):
+  """K = 4 kv heads (N = 8, G = 2): a mask_mod that reads no head index is evaluated
+  once for every head, and its block must still meet all K of them."""
+  rng = np.random.default_rng(5)
+  q = rng.standard_normal((B, T, 2 * N, H)).astype(np.float32)
+  k, v = (rng.standard_normal((B, S, 2 * K, d)).astype(np.float32) for d in (H, D))
+  for name in ("causal", "document"):  # reads neither b nor n; reads b
+    mask_mod, allowed = MASKS[name]
+    np.testing.assert_allclose(attention(impl, q, k, v, mask_mod=mask_mod),
+                               reference(q, k, v, allowed=allowed)[0], **TOL, err_msg=name)
+
+
 @pytest.mark.parametrize("name,impl", _tiered(sorted(SCORES), IMPLS, {
     ("relative_bias", "blockwise"), ("alibi", "vmap")}))
 def test_score_mods_match_reference(impl, name):

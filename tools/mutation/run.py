@@ -69,7 +69,7 @@ TARGETS = {
     "jattn/_blockwise.py": "tests/test_edges.py tests/test_blockwise.py tests/test_mods.py "
                            "tests/test_mod_grads.py tests/test_block_mask.py "
                            "tests/test_closed_form_blocks.py tests/test_dtypes.py "
-                           "-k 'blockwise and not memory and not random_shapes and not default "
+                           "-k '(blockwise or block_mask or closed_form) and not memory and not random_shapes and not default "
                            "and not errors and not refused and not cudnn and not honoured "
                            "and not is_an_error'",
     "jattn/_closed_form_blocks.py": "tests/test_closed_form_blocks.py tests/test_block_mask.py "
