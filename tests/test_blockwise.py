@@ -92,7 +92,7 @@ def test_matches_xla(case):
   _compare(*_arrays(), **CASES[case])
 
 
-@pytest.mark.parametrize("bias_shape", [(B, N, T, S), (1, N, 1, S), (B, 1, T, 1)])
+@pytest.mark.parametrize("bias_shape", [(B, N, T, S), (1, N, 1, S), (1, 1, T, S), (B, 1, T, 1)])
 def test_bias_matches_xla(bias_shape):
   bias = jnp.asarray(np.random.default_rng(2).standard_normal(bias_shape), jnp.float32)
   _compare(*_arrays(), bias=bias, is_causal=bias_shape[0] == 1)
