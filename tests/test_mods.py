@@ -104,14 +104,17 @@ def test_mask_mods_match_reference(impl, name):
 
 
 @pytest.mark.parametrize("impl", ["xla", "blockwise"])
-def test_mask_mods_with_four_kv_heads(impl):
-  """K = 4 kv heads (N = 8, G = 2): a mask_mod that reads no head index is evaluated
-  once for every head, and its block must still meet all K of them."""
+def test_mask_mods_with_three_rows_and_four_kv_heads(impl):
+  """B = 3 and K = 4 kv heads (N = 8, G = 2): a mask_mod that reads no batch or head
+  index is evaluated once for every row or head, and its block must still meet
+  all B rows and K heads."""
   rng = np.random.default_rng(5)
-  q = rng.standard_normal((B, T, 2 * N, H)).astype(np.float32)
-  k, v = (rng.standard_normal((B, S, 2 * K, d)).astype(np.float32) for d in (H, D))
-  for name in ("causal", "document"):  # reads neither b nor n; reads b
-    mask_mod, allowed = MASKS[name]
+  q = rng.standard_normal((3, T, 2 * N, H)).astype(np.float32)
+  k, v = (rng.standard_normal((3, S, 2 * K, d)).astype(np.float32) for d in (H, D))
+  b3 = np.arange(3)[:, None, None, None]
+  for name, mask_mod, allowed in (
+      ("causal", mods.causal(), s_ <= t_),  # reads neither b nor n
+      ("per_row", lambda b, n, t, s: s <= t + 2 * b, s_ <= t_ + 2 * b3)):  # reads b only
     np.testing.assert_allclose(attention(impl, q, k, v, mask_mod=mask_mod),
                                reference(q, k, v, allowed=allowed)[0], **TOL, err_msg=name)
 
