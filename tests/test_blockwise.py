@@ -268,6 +268,7 @@ def test_primitives_combine_over_kv_ranges_by_lse():
   d_out = jnp.cos(out)
   grads = [_blockwise.backward(q, kk, vv, modifiers, lay, 0, off, sizes, out, lse, d_out)
            for kk, vv, off in parts]
+  assert all(len(g) == 4 and g[3] is None for g in grads)  # d_q, d_k, d_v, d_bias (no bias)
   _, pullback = jax.vjp(ref, q, k, v)
   dq, dk, dv = pullback(d_out)
   np.testing.assert_allclose(grads[0][0] + grads[1][0], dq, **TOL)
