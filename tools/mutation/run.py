@@ -73,7 +73,8 @@ TARGETS = {
                            "and not errors and not refused and not cudnn and not honoured "
                            "and not is_an_error'",
     "jattn/_closed_form_blocks.py": "tests/test_closed_form_blocks.py tests/test_block_mask.py "
-                                    "tests/test_mods.py -k 'not vmap and not xla'",
+                                    "tests/test_mods.py -k 'closed_form or skipped or "
+                                    "(blockwise and mask_mods)'",
     "jattn/_block_mask.py": "tests/test_block_mask.py tests/test_closed_form_blocks.py "
                             "tests/test_mods.py -k 'not vmap and not xla'",
     "jattn/_ring.py": "tests/test_ring.py tests/test_ring_mods.py",
