@@ -98,6 +98,21 @@ def test_bias_matches_xla(bias_shape):
   _compare(*_arrays(), bias=bias, is_causal=bias_shape[0] == 1)
 
 
+def test_bias_per_head_with_one_kv_head():
+  """A per-head bias broadcast over queries, [1, N, 1, S], with K = 1: every head
+  of the group reads its own bias row (a block that kept the first head's passed
+  with K > 1)."""
+  bias = jnp.asarray(np.random.default_rng(3).standard_normal((1, N, 1, S)), jnp.float32)
+  _compare(*_arrays(K=1), bias=bias, is_causal=True)
+
+
+def test_bias_of_two_queries_one_block_each():
+  """T = 2 with one query per block: the bias gradient of the second query block
+  lands in the bias's second row (one written at row 0 passed when T != 2)."""
+  bias = jnp.asarray(np.random.default_rng(4).standard_normal((B, N, 2, S)), jnp.float32)
+  _compare(*_arrays(T=2), bias=bias, block_sizes=jattn.BlockSizes(q=1, kv=8))
+
+
 @pytest.mark.parametrize("layout,case", [
     ("BNTH", "causal"), ("BNHT", "segments"), ("HBTN", "window"), ("TNH", "plain"),
     ("NHT", "causal")])
