@@ -65,7 +65,8 @@ SCORES = {
 def reference(q, k, v, *, allowed=None, score=None, sinks=None, scale=None, bias=None):
   """float64 attention over the dense grid; BTNH layout."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+  group = q.shape[2] // k.shape[2]
+  kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
   scale = 1 / np.sqrt(H) if scale is None else scale
   logits = np.einsum("BTNH,BSNH->BNTS", q, kk) * scale
   if bias is not None:
@@ -105,11 +106,11 @@ def test_mask_mods_match_reference(impl, name):
 
 @pytest.mark.parametrize("impl", ["xla", "blockwise"])
 def test_mask_mods_with_three_rows_and_four_kv_heads(impl):
-  """B = 3 and K = 4 kv heads (N = 8, G = 2): a mask_mod that reads no batch or head
-  index is evaluated once for every row or head, and its block must still meet
-  all B rows and K heads."""
+  """B = 3 and K = 4 kv heads of G = 3 query heads each (N = 12): a mask_mod that
+  reads no batch or head index is evaluated once for every row or head, and its
+  block must still meet all B rows, K kv heads and G heads of a group."""
   rng = np.random.default_rng(5)
-  q = rng.standard_normal((3, T, 2 * N, H)).astype(np.float32)
+  q = rng.standard_normal((3, T, 12, H)).astype(np.float32)
   k, v = (rng.standard_normal((3, S, 2 * K, d)).astype(np.float32) for d in (H, D))
   b3 = np.arange(3)[:, None, None, None]
   for name, mask_mod, allowed in (
