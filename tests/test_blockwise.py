@@ -106,11 +106,12 @@ def test_bias_per_head_with_one_kv_head():
   _compare(*_arrays(K=1), bias=bias, is_causal=True)
 
 
-def test_bias_of_two_queries_one_block_each():
-  """T = 2 with one query per block: the bias gradient of the second query block
-  lands in the bias's second row (one written at row 0 passed when T != 2)."""
-  bias = jnp.asarray(np.random.default_rng(4).standard_normal((B, N, 2, S)), jnp.float32)
-  _compare(*_arrays(T=2), bias=bias, block_sizes=jattn.BlockSizes(q=1, kv=8))
+def test_bias_of_two_queries_and_two_keys_one_block_each():
+  """T = S = 2 with one query and one key per block: the bias gradient of block
+  (i, j) lands in the bias's row i and column j (one written at row 0 passed when
+  T != 2, one written at column 0 when S != 2)."""
+  bias = jnp.asarray(np.random.default_rng(4).standard_normal((B, N, 2, 2)), jnp.float32)
+  _compare(*_arrays(T=2, S=2), bias=bias, block_sizes=jattn.BlockSizes(q=1, kv=1))
 
 
 @pytest.mark.parametrize("layout,case", [
