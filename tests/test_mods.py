@@ -115,7 +115,12 @@ def test_mask_mods_with_three_rows_and_four_kv_heads(impl):
   b3 = np.arange(3)[:, None, None, None]
   for name, mask_mod, allowed in (
       ("causal", mods.causal(), s_ <= t_),  # reads neither b nor n
-      ("per_row", lambda b, n, t, s: s <= t + 2 * b, s_ <= t_ + 2 * b3)):  # reads b only
+      ("per_row", lambda b, n, t, s: s <= t + 2 * b, s_ <= t_ + 2 * b3),  # reads b only
+      # reads b and t, not s (a flag for "reads b" taken from another argument
+      # passed while every mask read s); rows past 5 + 3b see no key
+      ("query_rows", lambda b, n, t, s: t < 5 + 3 * b, t_ < 5 + 3 * b3),
+      # reads n and s, not t (the same for "reads n")
+      ("per_head_keys", lambda b, n, t, s: s <= n, s_ <= np.arange(12)[None, :, None, None])):
     np.testing.assert_allclose(attention(impl, q, k, v, mask_mod=mask_mod),
                                reference(q, k, v, allowed=allowed)[0], **TOL, err_msg=name)
 
