@@ -133,6 +133,15 @@ def test_score_mods_match_reference(impl, name):
   np.testing.assert_allclose(out, reference(Q, KEY, V, allowed=s_ <= t_, score=score)[0], **TOL)
 
 
+@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+def test_score_mod_without_any_mask(impl):
+  """A score_mod alone: no mask_mod, block mask or structural mask to classify
+  blocks by (blockwise asked the absent mask_mod which blocks it keeps)."""
+  out = attention(impl, score_mod=mods.soft_cap(0.7))
+  np.testing.assert_allclose(out, reference(Q, KEY, V, score=lambda l: 0.7 * np.tanh(l / 0.7))[0],
+                             **TOL)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_everything_at_once_in_order(impl):
   """bias -> score_mod -> masks (mask, mask_mod, lengths) -> softmax with sinks."""
