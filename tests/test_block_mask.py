@@ -39,7 +39,26 @@ def test_classes_match_dense_numpy(name, sizes):
   mask_mod, allowed = MASKS[name]
   allowed = np.broadcast_to(allowed, (B, N, T, S))
   bm = jattn.create_block_mask(mask_mod, B, N, T, S, block_sizes=jattn.BlockSizes(*sizes))
-  np.testing.assert_array_equal(bm.classes, dense_classes(allowed, *sizes))
+  want = dense_classes(allowed, *sizes)
+  np.testing.assert_array_equal(bm.classes, want)
+  assert bm.sparsity() == pytest.approx(np.mean(want == EMPTY))
+
+
+@pytest.mark.parametrize("entries_per_step", [1, 3 * N * 4 * 3], ids=["under_a_block", "three_blocks"])
+def test_classes_match_dense_numpy_a_few_key_blocks_per_step(monkeypatch, entries_per_step):
+  """Long rows are classified a few key blocks at a time (at least one, and the
+  last step padded when they do not divide the row); the small shapes here fit
+  one step, so the step is made small. per_head reads n: N = 4 heads of 4 x 3."""
+  from jattn import _block_mask
+  monkeypatch.setattr(_block_mask, "_ENTRIES_PER_STEP", entries_per_step)
+  mask_mod, allowed = MASKS["per_head"]
+  bm = jattn.create_block_mask(mask_mod, B, N, T, S, block_sizes=jattn.BlockSizes(4, 3))
+  np.testing.assert_array_equal(bm.classes, dense_classes(np.broadcast_to(allowed, (B, N, T, S)), 4, 3))
+
+
+def test_one_query_and_one_key():
+  bm = jattn.create_block_mask(mods.causal(), None, None, 1, 1, block_sizes=BS)
+  np.testing.assert_array_equal(bm.classes, [[[[FULL]]]])
 
 
 def test_b_and_n_none_give_size_one_axes():
@@ -152,6 +171,17 @@ def test_block_mask_for_other_sizes_is_refused():
     jattn.dot_product_attention(Q, KEY, V, block_mask=np.ones((1, 1, 4, 4)))
 
 
+def test_unbatched_call_takes_a_block_mask_of_one_row_not_two():
+  q, k, v = Q[0], KEY[0], V[0]  # TNH
+  call = lambda bm: jattn.dot_product_attention(q, k, v, implementation="blockwise",
+                                                layout="TNH", block_mask=bm)
+  out = call(jattn.create_block_mask(mods.causal(), 1, None, T, S, block_sizes=BS))
+  np.testing.assert_allclose(out, reference(Q, KEY, V, allowed=MASKS["causal"][1])[0][0],
+                             rtol=2e-5, atol=2e-5)
+  with raises(ValueError, "block_mask", "(2, None, 13, 11)"):
+    call(jattn.create_block_mask(mods.causal(), 2, None, T, S, block_sizes=BS))
+
+
 def test_create_block_mask_checks_its_arguments():
   with raises(TypeError, "mask_mod", "bool"):
     jattn.create_block_mask(lambda b, n, t, s: t - s, None, None, T, S)
@@ -159,3 +189,7 @@ def test_create_block_mask_checks_its_arguments():
     jattn.create_block_mask(lambda t, s: t >= s, None, None, T, S)
   with raises(ValueError, "T must be a positive int"):
     jattn.create_block_mask(mods.causal(), None, None, 0, S)
+  with raises(ValueError, "B must be a positive int or None", "0"):
+    jattn.create_block_mask(mods.causal(), 0, None, T, S)
+  with raises(ValueError, "N must be a positive int or None", "2.0"):
+    jattn.create_block_mask(mods.causal(), None, 2.0, T, S)
