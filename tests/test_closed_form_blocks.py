@@ -1,8 +1,8 @@
 """The closed-form block classes of jattn.mods' ready-made masks against a brute-force
 NumPy classification of the dense grid: odd sizes, blocks that divide neither T nor S,
-ranges at global offsets (a ring's), block edges on the mask edges. Exact where the formula is; where it may only be
-conservative (documents with skipped ids, and/or of parts), never wrong: EMPTY only
-for an empty block, FULL only for a full one.
+ranges at global offsets (a ring's), block edges on the mask edges. Exact where the
+formula is; where it may only be conservative (documents with skipped ids, and/or of
+parts), never wrong: EMPTY only for an empty block, FULL only for a full one.
 """
 
 import numpy as np
@@ -10,6 +10,7 @@ import pytest
 
 from jattn import mods
 from jattn._closed_form_blocks import closed_form_classes
+from tests.test_block_mask import dense_classes
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 B, T, S, BQ, BK = 2, 23, 19, 5, 4
@@ -38,7 +39,7 @@ def _allowed(name, T, S, q_offset, kv_offset):
       "sliding_window": (s >= t - 6) & (s <= t + 2),
       "chunked": t // 6 == s // 6,
       "prefix_lm": (s <= t) | (s < PREFIX[b]),
-      "prefix_lm_shared": (s <= t) | (s < 12),
+      "prefix_lm_shared": (s <= t) | (s < PREFIX[0]),
       "document": PACKED[b, t] == PACKED[b, s],
       "document_shared": PACKED[0, t] == PACKED[0, s],
       "document_gappy": GAPPY[b, t] == GAPPY[b, s],
@@ -52,7 +53,7 @@ MODS = {
     "chunked": mods.chunked(6), "prefix_lm": mods.prefix_lm(PREFIX),
     "document": mods.document(PACKED), "document_gappy": mods.document(GAPPY),
     # arrays of one row, shared by every batch row: classified too (not left to mask_mod)
-    "prefix_lm_shared": mods.prefix_lm(np.array([12])),
+    "prefix_lm_shared": mods.prefix_lm(PREFIX[:1]),
     "document_shared": mods.document(PACKED[:1]),
     "and": mods.and_masks(mods.causal(), mods.document(PACKED)),
     "or": mods.or_masks(mods.sliding_window(1, 0), mods.chunked(6)),
@@ -61,26 +62,14 @@ EXACT = {"causal", "sliding_window", "chunked", "prefix_lm", "document", "prefix
          "document_shared"}
 
 
-def _brute(allowed, bq, bk):
-  T, S = allowed.shape[1:]
-  nq, nk = -(-T // bq), -(-S // bk)
-  out = np.zeros((allowed.shape[0], nq, nk), int)
-  for i in range(nq):
-    for j in range(nk):
-      block = allowed[:, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
-      out[:, i, j] = np.where(block.all((1, 2)), FULL,
-                              np.where(block.any((1, 2)), PARTIAL, EMPTY))
-  return out
-
-
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 @pytest.mark.parametrize("name", sorted(MODS))
 def test_closed_form_matches_brute_force(name, geometry):
   T, S, bq, bk, q_offset, kv_offset = GEOMETRIES[geometry]
   got = np.asarray(closed_form_classes(MODS[name], B, T, S, bq, bk, q_offset, kv_offset))
   assert got.shape[1] == 1
-  want = np.broadcast_to(_brute(_allowed(name, T, S, q_offset, kv_offset), bq, bk),
-                         (B,) + got.shape[2:])
+  allowed = _allowed(name, T, S, q_offset, kv_offset)[:, None]  # [B|1, 1, T, S]
+  want = np.broadcast_to(dense_classes(allowed, bq, bk)[:, 0], (B,) + got.shape[2:])
   got = np.broadcast_to(got[:, 0], want.shape)
   if name in EXACT:
     np.testing.assert_array_equal(got, want)

@@ -18,7 +18,6 @@ from jattn import mods
 from tests.helpers import raises
 
 B, T, S, N, K, H, D = 2, 13, 11, 4, 2, 8, 6
-G = N // K
 BS = jattn.BlockSizes(q=4, kv=3)
 IMPLS = ["xla", "vmap", "blockwise"]
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -137,9 +136,9 @@ def test_score_mods_match_reference(impl, name):
 def test_score_mod_without_any_mask(impl):
   """A score_mod alone: no mask_mod, block mask or structural mask to classify
   blocks by (blockwise asked the absent mask_mod which blocks it keeps)."""
-  out = attention(impl, score_mod=mods.soft_cap(0.7))
-  np.testing.assert_allclose(out, reference(Q, KEY, V, score=lambda l: 0.7 * np.tanh(l / 0.7))[0],
-                             **TOL)
+  score_mod, score = SCORES["soft_cap"]
+  out = attention(impl, score_mod=score_mod)
+  np.testing.assert_allclose(out, reference(Q, KEY, V, score=score)[0], **TOL)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
