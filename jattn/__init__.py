@@ -14,15 +14,15 @@ Letters used in every shape and einsum string:
   H query/key depth per head · D value depth per head · F model features.
 """
 
-from jattn._attend import attend
-from jattn._attention import attention, project_qkv
-from jattn._block_mask import BlockMask, create_block_mask
-from jattn._block_sizes import BlockSizes
-from jattn._dot_product_attention import dot_product_attention
-from jattn._flax_attention_fn import flax_attention_fn
-from jattn._masks import (causal_mask, combine_masks, local_mask, padding_mask,
-                          segment_mask)
-from jattn._ring_attention import ring_attention
+from jattn._src.core.attend import attend
+from jattn._src.core.attention import attention, project_qkv
+from jattn._src.masks.block_mask import BlockMask, create_block_mask
+from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.dot_product_attention import dot_product_attention
+from jattn._src.nn.flax_attention_fn import flax_attention_fn
+from jattn._src.masks.structural import (causal_mask, combine_masks, local_mask, padding_mask,
+                                         segment_mask)
+from jattn._src.impl.ring import ring_attention
 
 __all__ = [
     "BlockMask",

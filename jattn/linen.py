@@ -18,10 +18,11 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import linen as nn
 
-from jattn import _heads, _kv_cache
-from jattn._dot_product_attention import dot_product_attention
-from jattn._masks import combine_masks, padding_mask
-from jattn._precision import matmul_precision
+from jattn._src.nn import heads as _heads
+from jattn._src.nn import kv_cache as _kv_cache
+from jattn._src.dot_product_attention import dot_product_attention
+from jattn._src.masks.structural import combine_masks, padding_mask
+from jattn._src.nn.precision import matmul_precision
 
 
 class _Projection(nn.Module):

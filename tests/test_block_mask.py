@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _blockwise, mods
-from jattn._layout import Layout
-from jattn._masks import MaskSpec
-from jattn._modifiers import Modifiers
-from jattn._programmable import build_mods
+from jattn import mods
+from jattn._src.impl import blockwise_loop as _blockwise
+from jattn._src.core.layout import Layout
+from jattn._src.masks.structural import MaskSpec
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.programmable import build_mods
 from reference_grads import reference_vjp
 from tests.helpers import raises
 from tests.test_mods import B, BS, IDS_KV, IDS_Q, KEY, MASKS, N, Q, S, T, V, reference
@@ -49,7 +50,7 @@ def test_classes_match_dense_numpy_a_few_key_blocks_per_step(monkeypatch, entrie
   """Long rows are classified a few key blocks at a time (at least one, and the
   last step padded when they do not divide the row); the small shapes here fit
   one step, so the step is made small. per_head reads n: N = 4 heads of 4 x 3."""
-  from jattn import _block_mask
+  from jattn._src.masks import block_mask as _block_mask
   monkeypatch.setattr(_block_mask, "_ENTRIES_PER_STEP", entries_per_step)
   mask_mod, allowed = MASKS["per_head"]
   bm = jattn.create_block_mask(mask_mod, B, N, T, S, block_sizes=jattn.BlockSizes(4, 3))

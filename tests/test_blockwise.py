@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _blockwise
-from jattn._block_sizes import default_block_sizes
-from jattn._choose import CPU_BLOCKWISE_FROM, default_implementation
-from jattn._layout import Layout
-from jattn._masks import MaskSpec
-from jattn._modifiers import Modifiers
+from jattn._src.impl import blockwise_loop as _blockwise
+from jattn._src.impl.block_sizes import default_block_sizes
+from jattn._src.impl.choose import CPU_BLOCKWISE_FROM, default_implementation
+from jattn._src.core.layout import Layout
+from jattn._src.masks.structural import MaskSpec
+from jattn._src.core.modifiers import Modifiers
 
 BS = jattn.BlockSizes(q=8, kv=8)
 B, T, S, N, K, H = 2, 37, 29, 4, 2, 8

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jattn import mods
-from jattn._closed_form_blocks import closed_form_classes
+from jattn._src.masks.closed_form_blocks import closed_form_classes
 from tests.test_block_mask import dense_classes
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -109,7 +109,7 @@ def test_blockwise_uses_the_closed_form_not_mask_mod_on_every_block(monkeypatch)
   """A ready-made mask passed in the call is classified without evaluating mask_mod on
   the whole grid (that path is made to fail here), and the result is still right."""
   import jattn
-  from jattn import _blockwise
+  from jattn._src.impl import blockwise_loop as _blockwise
   from tests.test_mods import BS, IDS_KV, IDS_Q, KEY, Q, V, reference
 
   def refuse(*args, **kwargs):

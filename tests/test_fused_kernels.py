@@ -1,6 +1,6 @@
 """implementation="splash" (TPU) and "pallas" (GPU), run in Pallas interpret mode on CPU.
 
-Every argument the lowering claims (jattn._lowering) is checked against
+Every argument the lowering claims (jattn._src.impl.kernel_plans) is checked against
 implementation="xla" for values and gradients of q, k, v, in both layouts
 ("BTNH" and tokens as columns "BNHT") and with grouped heads; T <= 256
 because interpret mode is slow. The default rule is checked per platform with
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn import _dot_product_attention as dpa
+from jattn._src import dot_product_attention as dpa
 from jattn import mods
-from jattn._choose import default_implementation
-from jattn._interpret import pallas_interpret
+from jattn._src.impl.choose import default_implementation
+from jattn._src.impl.interpret import pallas_interpret
 from tests.helpers import make_qkv, raises, to_layout
 
 B, T, H = 2, 128, 16

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jattn._cudnn import cudnn_unsupported
+from jattn._src.impl.cudnn import cudnn_unsupported
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

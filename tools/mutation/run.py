@@ -46,38 +46,38 @@ PYTEST = f"{PY} -m pytest -x -q -p no:cacheprovider"
 
 # file -> the tests that exercise it (fast, default tier, deterministic)
 TARGETS = {
-    "jattn/_block_plan.py": "tests/test_edges.py tests/test_blockwise.py -k 'edges or offsets or skipped'",
-    "jattn/_softmax.py": "tests/test_single_head.py tests/test_edges.py "
+    "jattn/_src/masks/block_plan.py": "tests/test_edges.py tests/test_blockwise.py -k 'edges or offsets or skipped'",
+    "jattn/_src/core/softmax.py": "tests/test_single_head.py tests/test_edges.py "
                          "tests/test_dtypes.py::test_float64_stays_float64 -k 'not script'",
-    "jattn/_attend.py": "tests/test_single_head.py tests/test_dtypes.py::test_float64_stays_float64 "
+    "jattn/_src/core/attend.py": "tests/test_single_head.py tests/test_dtypes.py::test_float64_stays_float64 "
                         "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
                         "-k 'not script'",
-    "jattn/_dense.py": "tests/test_dot_product_attention.py tests/test_dtypes.py -k 'dropout or reference or masked or twice'",
-    "jattn/_kv_cache.py": "tests/test_decode.py",
+    "jattn/_src/impl/dense.py": "tests/test_dot_product_attention.py tests/test_dtypes.py -k 'dropout or reference or masked or twice'",
+    "jattn/_src/nn/kv_cache.py": "tests/test_decode.py",
     "jattn/rope.py": "tests/test_rope.py tests/test_transformer_reference.py -k 'rope or Rope'",
-    "jattn/_masks.py": "tests/test_masks.py tests/test_edges.py",
-    "jattn/_xla.py": "tests/test_dot_product_attention.py tests/test_mods.py::test_everything_at_once_in_order "
+    "jattn/_src/masks/structural.py": "tests/test_masks.py tests/test_edges.py",
+    "jattn/_src/impl/xla.py": "tests/test_dot_product_attention.py tests/test_mods.py::test_everything_at_once_in_order "
                      "tests/test_mods.py::test_return_weights_with_mods tests/test_dropin_jax.py "
                      "tests/test_dtypes.py -k 'xla or reference'",
-    "jattn/_attention.py": "tests/test_single_head.py tests/test_mods.py::test_layouts "
+    "jattn/_src/core/attention.py": "tests/test_single_head.py tests/test_mods.py::test_layouts "
                            "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
                            "-k 'not script'",
     "jattn/transformer.py": "tests/test_decode.py::test_transformer_decoding_equals_full_pass_and_layouts_agree "
                             "tests/test_decode.py::test_transformer_row_that_skips_a_call_keeps_its_previous_token "
                             "tests/test_transformer_reference.py -m ''",  # -m '': thorough ones too
     # float64 references at block edges first (they kill most mutants, and soonest)
-    "jattn/_blockwise.py": "tests/test_edges.py tests/test_blockwise.py tests/test_mods.py "
+    "jattn/_src/impl/blockwise_loop.py": "tests/test_edges.py tests/test_blockwise.py tests/test_mods.py "
                            "tests/test_mod_grads.py tests/test_block_mask.py "
                            "tests/test_closed_form_blocks.py tests/test_dtypes.py "
                            "-k '(blockwise or block_mask or closed_form) and not memory and not random_shapes and not default "
                            "and not errors and not refused and not cudnn and not honoured "
                            "and not is_an_error'",
-    "jattn/_closed_form_blocks.py": "tests/test_closed_form_blocks.py tests/test_block_mask.py "
+    "jattn/_src/masks/closed_form_blocks.py": "tests/test_closed_form_blocks.py tests/test_block_mask.py "
                                     "tests/test_mods.py -k 'closed_form or skipped or "
                                     "(blockwise and mask_mods)'",
-    "jattn/_block_mask.py": "tests/test_block_mask.py tests/test_closed_form_blocks.py "
+    "jattn/_src/masks/block_mask.py": "tests/test_block_mask.py tests/test_closed_form_blocks.py "
                             "tests/test_mods.py -k 'not vmap and not xla'",
-    "jattn/_ring.py": "tests/test_ring.py tests/test_ring_mods.py",
+    "jattn/_src/impl/ring_loop.py": "tests/test_ring.py tests/test_ring_mods.py",
 }
 
 # Everything but the hand-planted kinds of bug (cosmic-ray also swaps + for **, <<,

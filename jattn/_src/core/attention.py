@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks
-from jattn._attend import attend_with_weights, default_scale
-from jattn._softmax import logits_dtype, masked_softmax
+from jattn._src.core import checks as _checks
+from jattn._src.core.attend import attend_with_weights, default_scale
+from jattn._src.core.softmax import logits_dtype, masked_softmax
 
 LAYOUTS = ("rows", "columns")
 

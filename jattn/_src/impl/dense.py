@@ -11,8 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jattn._masks import combine_masks
-from jattn._programmable import dense_mask
+from jattn._src.masks.structural import combine_masks
+from jattn._src.masks.programmable import dense_mask
 
 
 @jax.tree_util.register_pytree_node_class

@@ -1,7 +1,7 @@
 """The "splash" (TPU) and "pallas" (GPU) implementations: jax's own fused Pallas kernels.
 
 The kernel-calling functions take arrays in a fixed layout plus a static plan
-(`jattn._lowering`); the adapters at the bottom fit them to the
+(`jattn._src.impl.kernel_plans`); the adapters at the bottom fit them to the
 implementation signature of `_dot_product_attention._IMPLEMENTATIONS`.
 """
 
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._lowering import PALLAS_BLOCK, PallasPlan, SplashPlan
+from jattn._src.impl.kernel_plans import PALLAS_BLOCK, PallasPlan, SplashPlan
 
 
 def _block(n: int) -> int:

@@ -7,26 +7,28 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks
-from jattn._attend import default_scale
-from jattn._block_sizes import BlockSizes
-from jattn._blockwise_attention import blockwise_attention
-from jattn._choose import default_implementation
-from jattn._cudnn import cudnn_attention, cudnn_unsupported
-from jattn import _interpret, _lowering, _splash
-from jattn._layout import Layout, parse_layout
-from jattn._dense import Dropout
-from jattn._masks import MaskSpec
-from jattn._modifiers import Modifiers
-from jattn._programmable import build_mods
-from jattn._block_mask import check_block_mask
-from jattn._vmapped import vmapped_attention
-from jattn._xla import xla_attention
+from jattn._src.core import checks as _checks
+from jattn._src.core.attend import default_scale
+from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.impl.blockwise import blockwise_attention
+from jattn._src.impl.choose import default_implementation
+from jattn._src.impl.cudnn import cudnn_attention, cudnn_unsupported
+from jattn._src.impl import interpret as _interpret
+from jattn._src.impl import kernel_plans as _lowering
+from jattn._src.impl import fused as _splash
+from jattn._src.core.layout import Layout, parse_layout
+from jattn._src.impl.dense import Dropout
+from jattn._src.masks.structural import MaskSpec
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.programmable import build_mods
+from jattn._src.masks.block_mask import check_block_mask
+from jattn._src.impl.vmap import vmapped_attention
+from jattn._src.impl.xla import xla_attention
 
 # name -> function(query, key, value, modifiers, layout)
 #   -> (out, weights | None, lse float32 [B, N, T] | None).
 # query, key, value: the arrays in `layout` (a `Layout` with B).
-# modifiers: one `Modifiers` (jattn/_modifiers.py), built after every check,
+# modifiers: one `Modifiers` (jattn/_src/core/modifiers.py), built after every check,
 #   carries the rest: bias and mask ([B|1, N|1, T, S]), the structural masks
 #   (`.structure`: causal, window, lengths, segments), the mods (`.mods`:
 #   mask_mod / score_mod traced, sinks, block_mask; the user's ready-made
@@ -136,7 +138,7 @@ def dot_product_attention(
     implementation: None (the fastest correct one for the platform and shape:
       on CPU "blockwise" from T * S >= 128 * 128 and "xla" below; on GPU
       "cudnn", else "pallas", where they apply; on TPU "splash" where it
-      applies; see `jattn/_choose.py`), "xla" (einsum), "vmap" (single-head
+      applies; see `jattn/_src/impl/choose.py`), "xla" (einsum), "vmap" (single-head
       attention under jax.vmap), "blockwise" (flash-style, memory linear in T
       and S, no weights), "cudnn" (jax.nn's fused GPU kernel), "splash" (jax's
       TPU splash kernel), "pallas" (jax's Pallas GPU flash kernel) -- the last
@@ -195,7 +197,7 @@ def dot_product_attention(
   if implementation == "cudnn":
     _refuse_mods_on_cudnn(mask_mod, score_mod, sinks, block_mask)
   if implementation == "ring":
-    from jattn._ring_attention import ring_from_context  # it builds on this module
+    from jattn._src.impl.ring import ring_from_context  # it builds on this module
 
     return ring_from_context(
         query, key, value, bias, mask, local_window_size=local_window_size,

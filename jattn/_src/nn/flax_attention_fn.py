@@ -7,8 +7,8 @@ import math
 import jax.numpy as jnp
 from flax import linen, nnx
 
-from jattn._dot_product_attention import dot_product_attention
-from jattn._precision import matmul_precision
+from jattn._src.dot_product_attention import dot_product_attention
+from jattn._src.nn.precision import matmul_precision
 
 # Products flax lets a caller swap (AQT quantisation); jattn computes its own.
 _EINSUM_HOOKS = ("einsum_dot_general", "qk_attn_weights_einsum", "attn_weights_value_einsum")

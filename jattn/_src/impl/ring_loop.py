@@ -30,13 +30,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jattn import _blockwise
-from jattn._block_sizes import BlockSizes
-from jattn._layout import Layout
-from jattn._masks import MaskSpec
-from jattn._modifiers import Modifiers
-from jattn._programmable import add_sinks, sinks_grad
-from jattn._softmax import LARGE_NEGATIVE
+from jattn._src.impl import blockwise_loop as _blockwise
+from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.layout import Layout
+from jattn._src.masks.structural import MaskSpec
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.programmable import add_sinks, sinks_grad
+from jattn._src.core.softmax import LARGE_NEGATIVE
 
 _ROWS = "BNT"  # one value per query row and head: lse
 

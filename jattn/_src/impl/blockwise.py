@@ -13,11 +13,11 @@ import functools
 
 import jax
 
-from jattn import _blockwise
-from jattn._block_sizes import BlockSizes, default_block_sizes
-from jattn._layout import Layout
-from jattn._modifiers import Modifiers
-from jattn._programmable import add_sinks, sinks_grad
+from jattn._src.impl import blockwise_loop as _blockwise
+from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.programmable import add_sinks, sinks_grad
 
 
 def blockwise_attention(query, key, value, modifiers: Modifiers, layout: Layout, *,

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn._block_sizes import BlockSizes, default_block_sizes
-from jattn._programmable import build_mods, grid_index, on_grid
+from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.masks.programmable import build_mods, grid_index, on_grid
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # Entries of mask_mod evaluated at once: bounds create_block_mask's working

@@ -10,8 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn._layout import Layout
-from jattn._modifiers import Modifiers
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
 
 _DTYPES = (jnp.float16, jnp.bfloat16)
 

@@ -8,15 +8,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from jattn import _checks
-from jattn._attend import default_scale
-from jattn._block_mask import check_block_mask
-from jattn._block_sizes import BlockSizes, default_block_sizes
-from jattn._dot_product_attention import (_check_arrays, _lengths, _segment_ids,
+from jattn._src.core import checks as _checks
+from jattn._src.core.attend import default_scale
+from jattn._src.masks.block_mask import check_block_mask
+from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.dot_product_attention import (_check_arrays, _lengths, _segment_ids,
                                           residual_in_layout)
-from jattn._layout import Layout, parse_layout
-from jattn._programmable import build_mods
-from jattn._ring import Ring, chunk_offsets, from_zigzag, ring_core, to_zigzag
+from jattn._src.core.layout import Layout, parse_layout
+from jattn._src.masks.programmable import build_mods
+from jattn._src.impl.ring_loop import Ring, chunk_offsets, from_zigzag, ring_core, to_zigzag
 
 
 def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: str = "seq",

@@ -19,8 +19,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jattn import _checks
-from jattn._closed_form_blocks import is_closed_form
+from jattn._src.core import checks as _checks
+from jattn._src.masks.closed_form_blocks import is_closed_form
 
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 _SCORE = jax.ShapeDtypeStruct((), jnp.float32)

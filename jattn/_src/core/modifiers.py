@@ -22,8 +22,8 @@ import dataclasses
 
 import jax
 
-from jattn._dense import Dropout
-from jattn._masks import MaskSpec
+from jattn._src.impl.dense import Dropout
+from jattn._src.masks.structural import MaskSpec
 
 
 @jax.tree_util.register_pytree_node_class

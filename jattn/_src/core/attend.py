@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from jattn import _checks
-from jattn._softmax import logits_dtype, masked_softmax
+from jattn._src.core import checks as _checks
+from jattn._src.core.softmax import logits_dtype, masked_softmax
 
 
 def default_scale(depth: int) -> float:

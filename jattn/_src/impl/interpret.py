@@ -1,6 +1,6 @@
 """Test-only: run jax's Pallas kernels ("splash", "pallas") in interpret mode.
 
-    with jattn._interpret.pallas_interpret():
+    with jattn._src.impl.interpret.pallas_interpret():
       out = jattn.dot_product_attention(q, k, v, implementation="splash")
 
 Inside the block the kernels are interpreted (slowly) on whatever platform

@@ -10,11 +10,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn._dense import dense_mask_and_keep
-from jattn._layout import Layout
-from jattn._modifiers import Modifiers
-from jattn._programmable import apply_score, sinks_like
-from jattn._softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax
+from jattn._src.impl.dense import dense_mask_and_keep
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.programmable import apply_score, sinks_like
+from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax
 
 _LOGICAL = "BKGTS"  # mask, bias and weights: logical order, N split
 

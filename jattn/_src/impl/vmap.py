@@ -11,11 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn._attention import attention_with_weights
-from jattn._dense import dense_mask_and_keep
-from jattn._layout import Layout
-from jattn._modifiers import Modifiers
-from jattn._xla import grouped_logical, split_heads, xla_attention
+from jattn._src.core.attention import attention_with_weights
+from jattn._src.impl.dense import dense_mask_and_keep
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.impl.xla import grouped_logical, split_heads, xla_attention
 
 
 def _full(x, shape):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn._masks import MaskSpec
+from jattn._src.masks.structural import MaskSpec
 
 _BIG = 2**30  # "no bound": beyond any position, and safe from int32 overflow.
 

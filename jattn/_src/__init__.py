@@ -1,0 +1,1 @@
+"""The implementation of jattn; the public names live in jattn/__init__.py."""

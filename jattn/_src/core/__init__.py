@@ -1,0 +1,1 @@
+"""One head, one example: attend, attention, softmax, layouts, checks, the Modifiers value."""

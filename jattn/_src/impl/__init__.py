@@ -1,0 +1,1 @@
+"""The implementations of dot_product_attention and the choice between them."""

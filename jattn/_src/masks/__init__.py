@@ -1,0 +1,1 @@
+"""Masks and programmable attention: structural masks, mask/score mods, block classes."""

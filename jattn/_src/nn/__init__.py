@@ -1,0 +1,1 @@
+"""What the Flax modules share: head projections, the KV cache, flax's attention_fn."""
