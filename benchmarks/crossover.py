@@ -3,7 +3,7 @@
 For each shape, the forward and the forward+backward of both implementations
 are timed with `benchmarks/attention.py`'s builders and protocol (interleaved
 rounds in a new random order, untimed calls before each timed one, medians)
-and printed side by side. CPU rule: jattn/_src/impl/choose.py, CPU_BLOCKWISE_FROM.
+and printed side by side. CPU rule: jattn/_src/impl/registry.py, CPU_BLOCKWISE_FROM.
 
   python benchmarks/crossover.py [--dtype bfloat16] [--rounds 15]
       [--shapes 1x64x8x64,1x128x8x64 ...]  # B x T x N x H, T = S

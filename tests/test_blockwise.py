@@ -17,7 +17,7 @@ import pytest
 import jattn
 from jattn._src.impl import blockwise_loop as _blockwise
 from jattn._src.impl.block_sizes import default_block_sizes
-from jattn._src.impl.choose import CPU_BLOCKWISE_FROM, default_implementation
+from jattn._src.impl.registry import CPU_BLOCKWISE_FROM
 from jattn._src.core.layout import Layout
 from jattn._src.masks.structural import MaskSpec
 from jattn._src.core.modifiers import Modifiers
@@ -177,7 +177,7 @@ def test_block_sizes_are_honoured():
 
 def test_default_block_sizes_by_platform():
   assert default_block_sizes("cpu") == jattn.BlockSizes(q=512, kv=256)
-  assert default_block_sizes("gpu").q < 512
+  assert default_block_sizes("cuda").q < 512
 
 
 # ----------------------------------------------------------------- skipped blocks
@@ -334,33 +334,36 @@ def test_block_sizes_errors():
 
 
 def test_cudnn_is_refused_where_it_cannot_run():
-  """No GPU here: only the refusal and the selection rule can be tested."""
+  """No GPU and no cuDNN here: refused before any work, naming what is missing."""
   q, k, v = (x.astype(jnp.bfloat16) for x in _arrays())
-  with pytest.raises(ValueError, match="implementation='cudnn' cannot run.*platform is 'cpu'"):
+  with pytest.raises(ValueError, match="implementation='cudnn' cannot run.*cuDNN is not detected"):
     jattn.dot_product_attention(q, k, v, implementation="cudnn")
 
 
+def _chosen(T, S, N=1, platform="cpu", **kwargs):
+  q = jax.ShapeDtypeStruct((1, T, N, 8), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, S, N, 8), jnp.float32)
+  return jattn.explain(q, kv, kv, **kwargs).implementation(platform)
+
+
 def test_default_implementation_rule():
-  pick = functools.partial(default_implementation, return_weights=False)
   side = int(np.sqrt(CPU_BLOCKWISE_FROM))
-  assert pick(platform="cpu", T=side, S=side, cudnn_reason="cpu") == "blockwise"
-  assert pick(platform="cpu", T=side // 2, S=side, cudnn_reason="cpu") == "xla"
-  assert pick(platform="gpu", T=64, S=64, cudnn_reason=None) == "cudnn"
-  # issue 11: neither cuDNN nor the Pallas kernel: xla while the logits are small
-  assert pick(platform="gpu", T=64, S=64, cudnn_reason="float32") == "xla"
-  assert pick(platform="gpu", T=2**14, S=2**14, N=8, cudnn_reason="float32") == "blockwise"
-  assert default_implementation(platform="cpu", T=side, S=side, return_weights=True,
-                                cudnn_reason="cpu") == "xla"
+  assert _chosen(side, side) == "blockwise"
+  assert _chosen(side // 2, side) == "xla"
+  assert _chosen(side, side, return_weights=True) == "xla"
+  # neither cuDNN (float32) nor the Pallas kernel (a window): xla while the logits are small
+  assert _chosen(64, 64, platform="cuda", local_window_size=3) == "xla"
+  assert _chosen(2**14, 2**14, N=8, platform="cuda", local_window_size=3) == "blockwise"
+  assert _chosen(2**14, 2**14, N=8, platform="tpu", bias=jnp.zeros(())) == "blockwise"
 
 
-@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="the CPU rule")
 def test_default_is_blockwise_from_the_cpu_crossover():
-  """implementation=None traces the blockwise custom VJP from T * S = the crossover on."""
+  """implementation=None lowers the blockwise loop for the CPU from T * S = the crossover on."""
   side = int(np.sqrt(CPU_BLOCKWISE_FROM))
-  traced = lambda L: str(jax.make_jaxpr(jattn.dot_product_attention)(
-      *_arrays(B=1, T=L, S=L, N=1, K=1, H=4)))
-  assert "custom_vjp" in traced(side)
-  assert "custom_vjp" not in traced(side // 2)
+  lowered = lambda L: jax.jit(jattn.dot_product_attention).trace(
+      *_arrays(B=1, T=L, S=L, N=1, K=1, H=4)).lower(lowering_platforms=("cpu",)).as_text()
+  assert "stablehlo.while" in lowered(side)
+  assert "stablehlo.while" not in lowered(side // 2)
 
 
 # ----------------------------------------------------------------- random shapes

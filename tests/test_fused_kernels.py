@@ -9,17 +9,14 @@ the platform faked. No TPU or GPU was used: nothing here measures speed.
 
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jattn
-from jattn._src import dot_product_attention as dpa
 from jattn import mods
-from jattn._src.impl.choose import default_implementation
+from jattn._src.impl import cudnn
 from jattn._src.impl.interpret import pallas_interpret
 from tests.helpers import make_qkv, raises, to_layout
 
@@ -150,30 +147,29 @@ def test_splash_without_interpret_on_cpu_names_the_platform():
     ("tpu", jnp.bfloat16, dict(mask_mod=mods.sliding_window(8)), "splash"),
     ("tpu", jnp.float32, dict(bias=np.zeros((1, 1, T, T), np.float32)), "xla"),
     ("tpu", jnp.float32, dict(return_weights=True), "xla"),
-    ("gpu", jnp.bfloat16, dict(is_causal=True), "cudnn"),
-    ("gpu", jnp.float32, dict(is_causal=True), "pallas"),
-    ("gpu", jnp.bfloat16, dict(q_segment_ids=IDS, kv_segment_ids=IDS), "pallas"),
-    ("gpu", jnp.float32, dict(local_window_size=3), "xla"),
+    ("cuda", jnp.bfloat16, dict(is_causal=True), "cudnn"),
+    ("cuda", jnp.float32, dict(is_causal=True), "pallas"),
+    ("cuda", jnp.bfloat16, dict(q_segment_ids=IDS, kv_segment_ids=IDS), "pallas"),
+    ("cuda", jnp.float32, dict(local_window_size=3), "xla"),
     ("cpu", jnp.float32, dict(is_causal=True), "blockwise"),
 ])
 def test_default_picks_what_the_rule_says(monkeypatch, platform, dtype, kw, expected):
-  seen = {}
-
-  def fake_compute(*args, impl, **kwargs):
-    seen["impl"] = impl
-    return args[0], None, None
-
-  fake_compute.__wrapped__ = fake_compute
-  monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform=platform)])
-  monkeypatch.setattr(dpa, "_compute", fake_compute)
+  monkeypatch.setattr(cudnn, "cudnn_missing", lambda: None)  # a CUDA build host
   q, k, v = (x.astype(dtype) for x in _arrays(2, 2, "BTNH"))
-  jattn.dot_product_attention(q, k, v, **kw)
-  assert seen["impl"] == expected
+  assert jattn.explain(q, k, v, **kw).implementation(platform) == expected
+
+
+def test_without_cudnn_on_the_host_cuda_takes_the_pallas_kernel():
+  q, k, v = (x.astype(jnp.bfloat16) for x in _arrays(2, 2, "BTNH"))
+  report = jattn.explain(q, k, v, is_causal=True)
+  assert report.implementation("cuda") == "pallas"
+  assert "cuDNN is not detected" in report.reasons("cuda")["cudnn"]
 
 
 def test_default_on_accelerators_switches_to_blockwise_when_logits_are_large():
-  args = dict(T=16384, S=16384, return_weights=False, cudnn_reason="no",
-              splash_reason="no", pallas_reason="no", B=1, N=8)
-  assert default_implementation(platform="tpu", **args) == "blockwise"
-  assert default_implementation(platform="gpu", **args) == "blockwise"
-  assert default_implementation(platform="tpu", **{**args, "T": 1024, "S": 1024}) == "xla"
+  big = jax.ShapeDtypeStruct((1, 16384, 8, 64), jnp.float32)
+  small = jax.ShapeDtypeStruct((1, 1024, 8, 64), jnp.float32)
+  window = dict(local_window_size=3, bias=jnp.zeros(()))  # no fused kernel takes a bias
+  assert jattn.explain(big, big, big, **window).implementation("tpu") == "blockwise"
+  assert jattn.explain(big, big, big, **window).implementation("cuda") == "blockwise"
+  assert jattn.explain(small, small, small, **window).implementation("tpu") == "xla"

@@ -6,7 +6,7 @@ import numpy as np
 
 import jattn
 from jattn import mods
-from jattn._src.dot_product_attention import _compute
+from jattn._src.dispatch import _compute
 from tests.test_mods import KEY, Q, S, T, V, reference
 
 

@@ -1,5 +1,5 @@
 """Refusals that need hardware this machine lacks, tested with the hardware faked:
-cuDNN's reasons (a GPU platform passed in) and the training example's mesh checks
+cuDNN's reasons (asked of `jattn.explain` for the "cuda" platform) and the training example's mesh checks
 (jax.device_count patched to 8). Each message names the argument and the value."""
 
 import pathlib
@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jattn._src.impl.cudnn import cudnn_unsupported
+import jattn
+from jattn._src.impl import cudnn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -17,29 +18,47 @@ sys.path.insert(0, str(ROOT / "examples"))
 import training  # noqa: E402
 from configs import tiny  # noqa: E402
 
-GOOD = dict(platform="gpu", dtype=jnp.bfloat16, H=64, D=64, dropout_rate=0.0,
-            has_segments=False, return_weights=False)
+
+@pytest.fixture
+def host_with_cudnn(monkeypatch):
+  """A CUDA build host: cuDNN is detected (here it is not, and explain says so)."""
+  monkeypatch.setattr(cudnn, "cudnn_missing", lambda: None)
 
 
-def test_cudnn_accepts_what_it_can_run():
-  assert cudnn_unsupported(**GOOD) is None
-  assert cudnn_unsupported(**dict(GOOD, dtype=jnp.float16, H=128, D=128)) is None
-  assert cudnn_unsupported(**dict(GOOD, H=8, D=8)) is None
+def _cudnn_reason(dtype=jnp.bfloat16, H=64, D=64, **kwargs):
+  q = jax.ShapeDtypeStruct((2, 16, 4, H), dtype)
+  v = jax.ShapeDtypeStruct((2, 16, 4, D), dtype)
+  report = jattn.explain(q, q, v, implementation="cudnn", **kwargs)
+  return {p: report.reasons(p).get("cudnn") for p in ("cpu", "tpu", "cuda")}
 
 
-@pytest.mark.parametrize("change, reason", [
-    (dict(platform="cpu"), "it needs an NVIDIA GPU, the platform is 'cpu'"),
-    (dict(platform="tpu"), "the platform is 'tpu'"),
-    (dict(dtype=jnp.float32), "it takes float16 or bfloat16, got query dtype"),
-    (dict(D=32), "H == D, a multiple of 8 and <= 128, got H=64, D=32"),
-    (dict(H=136, D=136), "got H=136, D=136"),
-    (dict(H=12, D=12), "got H=12, D=12"),
-    (dict(dropout_rate=0.1), "no dropout, got dropout_rate=0.1"),
-    (dict(has_segments=True), "no q_segment_ids / kv_segment_ids"),
-    (dict(return_weights=True), "return_weights=True"),
+def test_cudnn_accepts_what_it_can_run(host_with_cudnn):
+  assert _cudnn_reason()["cuda"] is None
+  assert _cudnn_reason(jnp.float16, H=128, D=128)["cuda"] is None
+  assert _cudnn_reason(H=8, D=8)["cuda"] is None
+
+
+def test_cudnn_is_refused_without_cudnn_on_the_host():
+  assert "cuDNN is not detected" in _cudnn_reason()["cuda"]
+
+
+@pytest.mark.parametrize("change, platform, reason", [
+    (dict(), "cpu", "it needs a NVIDIA GPU (CUDA), the program is lowered for 'cpu'"),
+    (dict(), "tpu", "the program is lowered for 'tpu'"),
+    (dict(dtype=jnp.float32), "cuda", "it takes float16 or bfloat16, got query dtype"),
+    (dict(D=32), "cuda", "H == D, a multiple of 8 and <= 128, got H=64, D=32"),
+    (dict(H=136, D=136), "cuda", "got H=136, D=136"),
+    (dict(H=12, D=12), "cuda", "got H=12, D=12"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "cuda",
+     "no dropout, got dropout_rate=0.1"),
+    (dict(q_segment_ids=jnp.zeros((2, 16), jnp.int32),
+          kv_segment_ids=jnp.zeros((2, 16), jnp.int32)), "cuda",
+     "no q_segment_ids / kv_segment_ids"),
+    (dict(return_weights=True), "cuda", "return_weights=True"),
+    (dict(sinks=jnp.zeros(4)), "cuda", "it cannot honour sinks"),
 ])
-def test_cudnn_refusal_reasons(change, reason):
-  got = cudnn_unsupported(**dict(GOOD, **change))
+def test_cudnn_refusal_reasons(host_with_cudnn, change, platform, reason):
+  got = _cudnn_reason(**change)[platform]
   assert got is not None and reason in got, got
 
 

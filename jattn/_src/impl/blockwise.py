@@ -14,17 +14,17 @@ import functools
 import jax
 
 from jattn._src.impl import blockwise_loop as _blockwise
-from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
 
 def blockwise_attention(query, key, value, modifiers: Modifiers, layout: Layout, *,
-                        block_sizes: BlockSizes | None = None):
-  """Arguments as `_xla.xla_attention`; returns (out, None, lse): no weights are formed."""
-  if block_sizes is None:
-    block_sizes = default_block_sizes(jax.devices()[0].platform)
+                        block_sizes: BlockSizes):
+  """Arguments as `_xla.xla_attention`; returns (out, None, lse): no weights are formed.
+
+  block_sizes: the plan's (`registry.BlockwisePlan`: the user's, else the platform's)."""
   out, lse = _attention(_Static(layout, block_sizes), query, key, value, modifiers)
   return out, None, lse
 

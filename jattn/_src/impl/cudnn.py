@@ -1,11 +1,15 @@
 """The "cudnn" implementation: jax.nn.dot_product_attention's fused GPU kernel.
 
 cuDNN takes [B, T, N, H] only, so other layouts are reordered by einsums
-built from the layout letters on the way in and out. Arguments it cannot
-honour raise a ValueError up front (`cudnn_unsupported`): never a silent fallback.
+built from the layout letters on the way in and out. `plan` says why it
+cannot take a call (never a silent fallback); it is asked only for the
+"cuda" platform, and refuses when the host has no cuDNN to build for.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,11 +20,29 @@ from jattn._src.core.modifiers import Modifiers
 _DTYPES = (jnp.float16, jnp.bfloat16)
 
 
-def cudnn_unsupported(*, platform: str, dtype, H: int, D: int, dropout_rate: float,
-                      has_segments: bool, return_weights: bool) -> str | None:
-  """Why cuDNN cannot run this call, or None when it can."""
-  if platform != "gpu":
-    return f"it needs an NVIDIA GPU, the platform is {platform!r}"
+@dataclasses.dataclass(frozen=True)
+class CudnnPlan:
+  """scale: the user's Python number (cuDNN takes it as a constant), or None: a traced
+  scale, folded into the query."""
+
+  scale: float | None
+  return_residual: bool
+
+
+@functools.lru_cache(maxsize=1)
+def cudnn_missing() -> str | None:
+  """Why jax cannot build a cuDNN call on this host (jax.nn raises then), or None."""
+  try:
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+    check_cudnn_version()
+  except (ImportError, RuntimeError) as e:
+    return f"cuDNN is not detected on this host ({type(e).__name__}: {e})"
+  return None
+
+
+def cudnn_unsupported(*, dtype, H: int, D: int, dropout_rate: float, has_segments: bool,
+                      return_weights: bool) -> str | None:
+  """Why cuDNN cannot run a call of this kind, or None when it can."""
   if dtype not in _DTYPES:
     return f"it takes float16 or bfloat16, got query dtype {dtype}"
   if H != D or H > 128 or H % 8:
@@ -34,21 +56,42 @@ def cudnn_unsupported(*, platform: str, dtype, H: int, D: int, dropout_rate: flo
   return None
 
 
-def cudnn_attention(query, key, value, modifiers: Modifiers, layout: Layout, *,
-                    return_residual: bool = False):
+def plan(call, platform: str):
+  """A `CudnnPlan`, or the reason cuDNN cannot take `call`."""
+  given = [name for name, present in (("mask_mod", call.mask_mod is not None),
+                                      ("score_mod", call.score_mod is not None),
+                                      ("sinks", call.has_sinks),
+                                      ("block_mask", call.has_block_mask)) if present]
+  if given:
+    return (f"it cannot honour {', '.join(given)}: jax.nn's cuDNN kernel takes no mask or "
+            f"score function and no sinks; use 'blockwise' or 'xla'")
+  reason = cudnn_unsupported(
+      dtype=call.dtype, H=call.dims.H, D=call.dims.D, dropout_rate=call.dropout_rate,
+      has_segments=call.structure.q_segment_ids is not None,
+      return_weights=call.return_weights) or cudnn_missing()
+  if reason is not None:
+    return reason
+  scale = float(call.scale) if isinstance(call.scale, (int, float)) else None
+  return CudnnPlan(scale=scale, return_residual=call.return_residual)
+
+
+def run(plan: CudnnPlan, query, key, value, modifiers: Modifiers, layout: Layout):
   """Arguments as `_xla.xla_attention`; returns (out, None, lse [B, N, T] or None).
 
-  The lse is asked of cuDNN only when wanted (return_residual). Dropout and
-  mods are excluded by `cudnn_unsupported`; the scale is a Python number."""
-  spec, scale = modifiers.structure, modifiers.scale
+  The lse is asked of cuDNN only when wanted (return_residual); dropout and
+  mods were refused by `plan`."""
+  spec = modifiers.structure
   q, k, v = (jnp.einsum(f"{sub}->{canon}", x) for x, sub, canon in (
       (query, layout.query, "BTNH"), (key, layout.key, "BSKH"), (value, layout.value, "BSKD")))
+  scale = plan.scale
+  if scale is None:  # a traced scale: cuDNN takes a constant, so the query carries it
+    q = (q.astype(jnp.float32) * modifiers.scale).astype(q.dtype)
+    scale = 1.0
   out = jax.nn.dot_product_attention(
-      q, k, v, modifiers.bias, modifiers.mask,
-      scale=float(scale) if isinstance(scale, float) else scale,
+      q, k, v, modifiers.bias, modifiers.mask, scale=scale,
       is_causal=spec.is_causal, query_seq_lengths=spec.q_lengths,
       key_value_seq_lengths=spec.kv_lengths, local_window_size=spec.local_window,
-      implementation="cudnn", return_residual=return_residual)
-  out, lse = out if return_residual else (out, None)  # lse [B, T, N]
+      implementation="cudnn", return_residual=plan.return_residual)
+  out, lse = out if plan.return_residual else (out, None)  # lse [B, T, N]
   lse = None if lse is None else jnp.einsum("BTN->BNT", lse)
   return jnp.einsum(f"BTND->{layout.out}", out), None, lse

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._src.impl.kernel_plans import PALLAS_BLOCK, PallasPlan, SplashPlan
+from jattn._src.impl.kernel_plans import PALLAS_BLOCK, PallasPlan, SplashPlan, find_document
 
 
 def _block(n: int) -> int:
@@ -136,30 +136,40 @@ def pallas_attention(q, k, v, *, ids, plan: PallasPlan):
   sizes = gpu_attention.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=bq, block_kv_dkv=bk,
                                    block_q_dq=bq, block_kv_dq=bk)
   return gpu_attention.mha(q, k, v, None if ids is None else ids.astype(jnp.int32),
-                           sm_scale=plan.scale, causal=plan.causal, block_sizes=sizes,
+                           sm_scale=1.0 if plan.scale is None else plan.scale,
+                           causal=plan.causal, block_sizes=sizes,
                            interpret=plan.interpret)
 
 
 # ---- adapters to the implementation signature
-# fn(query, key, value, modifiers, layout) -> (out, None, None); the plan says
-# what the kernel takes, and the dispatch refused every other modifier.
+# run(plan, query, key, value, modifiers, layout) -> (out, None, None); the plan
+# says what the kernel takes, and the plan refused every other modifier.
 
 
-def splash_implementation(query, key, value, modifiers, layout, *, plan: SplashPlan):
+def _segment_ids(plan, modifiers):
+  """The segment ids the kernel applies: a lowered mods.document's, else the user's."""
+  if getattr(plan, "document", False):
+    doc = find_document(modifiers.mods.mask_mod)
+    return doc.q_segment_ids, doc.kv_segment_ids
+  return modifiers.structure.q_segment_ids, modifiers.structure.kv_segment_ids
+
+
+def splash_implementation(plan: SplashPlan, query, key, value, modifiers, layout):
   structure = modifiers.structure
   q, k, v = (jnp.einsum(f"{sub}->{canon}", x) for x, sub, canon in (
       (query, layout.query, "BNTH"), (key, layout.key, "BKSH"), (value, layout.value, "BKSD")))
-  out = splash_attention(q, k, v, q_ids=structure.q_segment_ids,
-                         kv_ids=structure.kv_segment_ids, q_lengths=structure.q_lengths,
+  q_ids, kv_ids = _segment_ids(plan, modifiers)
+  out = splash_attention(q, k, v, q_ids=q_ids, kv_ids=kv_ids, q_lengths=structure.q_lengths,
                          kv_lengths=structure.kv_lengths, sinks=modifiers.sinks,
                          scale=modifiers.scale, plan=plan)
   return jnp.einsum(f"BNTD->{layout.out}", out).astype(value.dtype), None, None
 
 
-def pallas_implementation(query, key, value, modifiers, layout, *, plan: PallasPlan):
-  # the scale is plan.scale: the kernel takes it as a Python number
+def pallas_implementation(plan: PallasPlan, query, key, value, modifiers, layout):
   q, k, v = (jnp.einsum(f"{sub}->{canon}", x) for x, sub, canon in (
       (query, layout.query, "BTNH"), (key, layout.key, "BSKH"), (value, layout.value, "BSKD")))
-  ids = modifiers.structure.q_segment_ids if plan.segments else None
+  if plan.scale is None:  # a traced scale: the kernel takes a constant, the query carries it
+    q = (q.astype(jnp.float32) * modifiers.scale).astype(q.dtype)
+  ids = _segment_ids(plan, modifiers)[0] if plan.segments else None
   out = pallas_attention(q, k, v, ids=ids, plan=plan)
   return jnp.einsum(f"BTND->{layout.out}", out).astype(value.dtype), None, None

@@ -1,8 +1,8 @@
 """Which calls jax's fused Pallas kernels can take, as static, hashable plans.
 
-`splash_plan` and `pallas_plan` look at the user's raw arguments at dispatch
-time (before any work) and return (plan, None) when the kernel computes
-exactly this call, else (None, reason). The ready-made `jattn.mods` objects
+`splash_plan` and `pallas_plan` look at a checked `Call` (its static facts and
+the user's raw mods) before any work and return a plan when the kernel
+computes exactly this call, else the reason in words. The ready-made `jattn.mods` objects
 are recognised with `isinstance`; anything else (a hand-written mod, a
 score_mod other than soft_cap with a Python-number cap, bias, a dense mask,
 dropout, return_weights) gets a reason, so implementation=None falls back and
@@ -33,6 +33,7 @@ class SplashPlan:
   mask: tuple  # nested ("and"|"or", *parts) of ("causal",) ("local", l, r) ("chunk", n) ("full",)
   soft_cap: float | None
   segments: bool  # segment ids (the user's, or a mods.document's) in the data
+  document: bool  # the segment ids are a mods.document mask_mod's (`find_document`)
   q_lengths: bool
   kv_lengths: bool
   sinks: bool
@@ -45,7 +46,8 @@ class PallasPlan:
   """What jax's GPU flash kernel (pallas.ops.gpu.attention.mha) is asked to compute."""
   causal: bool
   segments: bool  # one id array for queries and keys (T == S, the same array)
-  scale: float
+  document: bool  # ... a mods.document mask_mod's (`find_document`)
+  scale: float | None  # the user's Python number; None: traced, folded into q
   interpret: bool
 
 
@@ -79,125 +81,125 @@ def _mask_expr(mod, top: bool):
                 f"can lower (hand-written functions and the batch-dependent prefix_lm are not)")
 
 
+def find_document(mod):
+  """The mods.document inside a ready-made mask_mod (at the top or under and_masks)."""
+  if isinstance(mod, M.Document):
+    return mod
+  if isinstance(mod, M.And):
+    return next(filter(None, map(find_document, mod.mask_mods)), None)
+  return None
+
+
 def _check_document(doc, dims) -> None:
-  want = ((dims["B"], dims["T"]), (dims["B"], dims["S"]))
+  want = ((dims.B, dims.T), (dims.B, dims.S))
   got = (np.shape(doc.q_segment_ids), np.shape(doc.kv_segment_ids))
   if got != want:
     raise _Cannot(f"its mods.document ids must be [B, T] and [B, S] = {want}, got {got}")
 
 
-def _common(*, bias, mask, dropout_rate, return_weights, return_residual, block_mask,
-            mask_mod):
-  if bias is not None:
+def _common(call):
+  if call.has_bias:
     raise _Cannot("it takes no bias")
-  if mask is not None:
+  if call.has_mask:
     raise _Cannot("it takes no dense mask (use is_causal, local_window_size, lengths, "
                   "segment ids or jattn.mods masks)")
-  if dropout_rate > 0.0:
-    raise _Cannot(f"it has no dropout, got dropout_rate={dropout_rate}")
-  if return_weights:
+  if call.dropout_rate > 0.0:
+    raise _Cannot(f"it has no dropout, got dropout_rate={call.dropout_rate}")
+  if call.return_weights:
     raise _Cannot("it does not form the weights (return_weights=True)")
-  if return_residual:
+  if call.return_residual:
     raise _Cannot("its lse output is not differentiable, so return_residual=True is refused")
-  if block_mask is not None and mask_mod is None:
+  if call.has_block_mask and call.mask_mod is None:
     raise _Cannot("a block_mask without its mask_mod cannot be lowered (pass mask_mod too)")
 
 
-def splash_plan(*, platform, interpret, dims, dtype, is_causal, window, q_lengths,
-                kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, dropout_rate,
-                return_weights, return_residual, mask_mod, score_mod, sinks, block_mask):
-  """(SplashPlan, None, document or None) when splash computes this call, else (None, reason, None)."""
+def splash_plan(call, platform: str):
+  """A `SplashPlan` when jax's splash kernel computes `call` exactly, else the reason."""
   try:
-    if platform != "tpu" and not interpret:
-      raise _Cannot(f"it needs a TPU, the platform is {platform!r}")
-    _common(bias=bias, mask=mask, dropout_rate=dropout_rate, return_weights=return_weights,
-            return_residual=return_residual, block_mask=block_mask, mask_mod=mask_mod)
-    if str(dtype) not in ("float32", "bfloat16"):
-      raise _Cannot(f"it takes float32 or bfloat16, got query dtype {dtype}")
-    T, S, H, D = dims["T"], dims["S"], dims["H"], dims["D"]
+    _common(call)
+    if str(call.dtype) not in ("float32", "bfloat16"):
+      raise _Cannot(f"it takes float32 or bfloat16, got query dtype {call.dtype}")
+    dims, structure = call.dims, call.structure
+    T, S, H, D = dims.T, dims.S, dims.H, dims.D
     if H != D:
       raise _Cannot(f"it needs value's head size D equal to H, got H={H}, D={D}")
     if T % SPLASH_TILE or S % SPLASH_TILE:
       raise _Cannot(f"it needs T and S multiples of {SPLASH_TILE}, got T={T}, S={S}")
     parts, doc = [], None
-    if is_causal:
+    if call.is_causal:
       parts.append(("causal",))
-    if window is not None:
-      parts.append(("local", *window))
-    if mask_mod is not None:
-      expr, doc = _mask_expr(mask_mod, top=True)
+    if call.window is not None:
+      parts.append(("local", *call.window))
+    if call.mask_mod is not None:
+      expr, doc = _mask_expr(call.mask_mod, top=True)
       parts.append(expr)
-    if doc is not None and q_segment_ids is not None:
+    segments = structure.q_segment_ids is not None
+    if doc is not None and segments:
       raise _Cannot("both segment ids and a mods.document mask")
     cap = None
-    if score_mod is not None:
+    if call.score_mod is not None:
+      score_mod = call.score_mod
       if not (isinstance(score_mod, M.SoftCap) and isinstance(score_mod.cap, (int, float))):
         raise _Cannot(f"score_mod {type(score_mod).__name__} is not mods.soft_cap with a "
                       f"Python-number cap")
       cap = float(score_mod.cap)
+    same_ids = call.same_segment_ids
     if doc is not None:
       _check_document(doc, dims)
-      q_segment_ids, kv_segment_ids = doc.q_segment_ids, doc.kv_segment_ids
-    segments = q_segment_ids is not None
+      segments, same_ids = True, doc.q_segment_ids is doc.kv_segment_ids
     # Every lowered mask keeps the diagonal, so a row can only lose all its keys
     # to kv lengths, to segment ids that differ between queries and keys, or when T > S.
-    guard = (kv_lengths is not None or T > S
-             or (segments and not (q_segment_ids is kv_segment_ids and T == S)))
-    plan = SplashPlan(mask=("and", *parts), soft_cap=cap, segments=segments,
-                      q_lengths=q_lengths is not None, kv_lengths=kv_lengths is not None,
-                      sinks=sinks is not None, guard_empty_rows=guard,
-                      interpret=bool(interpret))
-    return plan, None, doc
+    kv_lengths = structure.kv_lengths is not None
+    guard = kv_lengths or T > S or (segments and not (same_ids and T == S))
+    return SplashPlan(mask=("and", *parts), soft_cap=cap, segments=segments,
+                      document=doc is not None,
+                      q_lengths=structure.q_lengths is not None, kv_lengths=kv_lengths,
+                      sinks=call.has_sinks, guard_empty_rows=guard,
+                      interpret=call.interpret)
   except _Cannot as e:
-    return None, str(e), None
+    return str(e)
 
 
-def pallas_plan(*, platform, interpret, dims, dtype, is_causal, window, q_lengths,
-                kv_lengths, q_segment_ids, kv_segment_ids, bias, mask, dropout_rate,
-                return_weights, return_residual, mask_mod, score_mod, sinks, block_mask,
-                scale):
-  """(PallasPlan, None, document or None) when the GPU mha kernel computes this call, else
-  (None, reason, None)."""
+def pallas_plan(call, platform: str):
+  """A `PallasPlan` when jax's Pallas GPU flash kernel computes `call`, else the reason."""
   try:
-    if platform != "gpu" and not interpret:
-      raise _Cannot(f"it needs a GPU, the platform is {platform!r}")
-    _common(bias=bias, mask=mask, dropout_rate=dropout_rate, return_weights=return_weights,
-            return_residual=return_residual, block_mask=block_mask, mask_mod=mask_mod)
-    for name, x in (("local_window_size", window), ("query_seq_lengths", q_lengths),
-                    ("key_value_seq_lengths", kv_lengths), ("score_mod", score_mod),
-                    ("sinks", sinks)):
+    _common(call)
+    structure = call.structure
+    for name, x in (("local_window_size", call.window),
+                    ("query_seq_lengths", structure.q_lengths),
+                    ("key_value_seq_lengths", structure.kv_lengths),
+                    ("score_mod", call.score_mod), ("sinks", call.modifiers.sinks)):
       if x is not None:
         raise _Cannot(f"it cannot honour {name}")
-    if not isinstance(scale, (int, float)):
-      raise _Cannot(f"it takes a Python number as scale, got {type(scale).__name__}")
-    T, S, H, D = dims["T"], dims["S"], dims["H"], dims["D"]
+    dims = call.dims
+    T, S, H, D = dims.T, dims.S, dims.H, dims.D
     if H != D:
       raise _Cannot(f"it needs value's head size D equal to H, got H={H}, D={D}")
     if T % min(PALLAS_BLOCK, T) or S % min(PALLAS_BLOCK, S):
       raise _Cannot(f"it needs T and S multiples of {PALLAS_BLOCK} (or smaller), "
                     f"got T={T}, S={S}")
-    causal, doc = is_causal, None
-    if mask_mod is not None:
-      if isinstance(mask_mod, M.Causal):
+    causal, doc = call.is_causal, None
+    segments, same_ids = structure.q_segment_ids is not None, call.same_segment_ids
+    if call.mask_mod is not None:
+      if isinstance(call.mask_mod, M.Causal):
         causal = True
-      elif isinstance(mask_mod, M.Document):
-        doc = mask_mod
+      elif isinstance(call.mask_mod, M.Document):
+        doc = call.mask_mod
       else:
         raise _Cannot(f"it lowers only mods.causal and mods.document, got mask_mod "
-                      f"{type(mask_mod).__name__}")
-      if doc is not None and q_segment_ids is not None:
+                      f"{type(call.mask_mod).__name__}")
+      if doc is not None and segments:
         raise _Cannot("both segment ids and a mods.document mask")
     if doc is not None:
       _check_document(doc, dims)
-      q_segment_ids, kv_segment_ids = doc.q_segment_ids, doc.kv_segment_ids
-    segments = q_segment_ids is not None
+      segments, same_ids = True, doc.q_segment_ids is doc.kv_segment_ids
     if (causal or segments) and T != S:
       raise _Cannot(f"its causal and segment masks need T == S, got T={T}, S={S}")
-    if segments and q_segment_ids is not kv_segment_ids:
+    if segments and not same_ids:
       raise _Cannot("it takes one segment-id array for queries and keys: pass the same "
                     "array as q_segment_ids and kv_segment_ids")
-    plan = PallasPlan(causal=bool(causal), segments=segments, scale=float(scale),
-                      interpret=bool(interpret))
-    return plan, None, doc
+    scale = float(call.scale) if isinstance(call.scale, (int, float)) else None
+    return PallasPlan(causal=bool(causal), segments=segments, document=doc is not None,
+                      scale=scale, interpret=call.interpret)
   except _Cannot as e:
-    return None, str(e), None
+    return str(e)

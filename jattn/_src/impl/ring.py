@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,9 @@ from jattn._src.core import checks as _checks
 from jattn._src.core.attend import default_scale
 from jattn._src.masks.block_mask import check_block_mask
 from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
-from jattn._src.dot_product_attention import (_check_arrays, _lengths, _segment_ids,
-                                          residual_in_layout)
+from jattn._src.call import check_arrays, lengths as _lengths, segment_ids as _segment_ids
+from jattn._src.dispatch import per_platform, residual_in_layout
+from jattn._src.impl.registry import PLATFORMS
 from jattn._src.core.layout import Layout, parse_layout
 from jattn._src.masks.programmable import build_mods
 from jattn._src.impl.ring_loop import Ring, chunk_offsets, from_zigzag, ring_core, to_zigzag
@@ -71,7 +73,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   key = _checks.float_array("key", key)
   value = _checks.float_array("value", value)
   lay = parse_layout(layout, query.shape)
-  dims = _check_arrays(query, key, value, lay)
+  dims = dataclasses.asdict(check_arrays(query, key, value, lay))
   B, T, S = dims["B"], dims["T"], dims["S"]
   q_len = _lengths("query_seq_lengths", query_seq_lengths, B, lay.has_batch)
   kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, B, lay.has_batch)
@@ -100,11 +102,17 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   if not lay.has_batch:
     query, key, value = (x[None] for x in (query, key, value))
     lay = Layout("B" + lay.query)
-  out, lse = _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, mods,
-                      mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
-                      head_axis_name=head_axis_name, num_devices=num_devices,
-                      scale=float(scale), is_causal=is_causal, zigzag=zigzag, layout=lay,
-                      block_sizes=block_sizes or default_block_sizes(jax.devices()[0].platform))
+  # Each platform's default block sizes (clipped to one device's chunk), chosen
+  # when the program is lowered: one branch when they agree.
+  chunk_t, chunk_s = T // num_devices, S // num_devices
+  branches = {}
+  for platform in PLATFORMS:
+    sizes = (block_sizes or default_block_sizes(platform)).clipped(chunk_t, chunk_s)
+    branches[platform] = (sizes, functools.partial(
+        _sharded, mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
+        head_axis_name=head_axis_name, num_devices=num_devices, scale=float(scale),
+        is_causal=is_causal, zigzag=zigzag, layout=lay, block_sizes=sizes))
+  out, lse = per_platform(branches, query, key, value, q_len, kv_len, q_ids, kv_ids, mods)
   lse = residual_in_layout(lse, lay, out.dtype)  # [B, T, N] for "BTNH"
   if not dims["has_batch"]:
     out, lse = out[0], lse[0]

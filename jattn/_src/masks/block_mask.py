@@ -15,13 +15,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.masks.programmable import build_mods, grid_index, on_grid
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # Entries of mask_mod evaluated at once: bounds create_block_mask's working
 # memory (a few bytes each) independently of T and S.
 _ENTRIES_PER_STEP = 1 << 20
+
+
+# create_block_mask's default, the same on every platform (see its docstring).
+BLOCK_MASK_SIZES = BlockSizes(q=128, kv=128)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -81,8 +85,11 @@ def create_block_mask(mask_mod, B, N, T: int, S: int, *,
 
   B, N: batch size and query heads, or None when mask_mod does not depend on
   that index (then it is called with 0 there and the classes have size 1).
-  block_sizes: those of the blockwise call that will use it (the platform's
-  default when None), clipped to T and S. Runs under jit, in memory linear in
+  block_sizes: those of the blockwise call that will use it, clipped to T and
+  S; `BLOCK_MASK_SIZES` (128 x 128, a TPU/GPU tile) when None, on every
+  platform: a block mask is data, made before anyone knows where the program
+  will be lowered. On CPU, `jattn.BlockSizes(q=512, kv=256)` is faster
+  (`default_block_sizes("cpu")`). Runs under jit, in memory linear in
   T and S.
 
   Raises:
@@ -104,7 +111,7 @@ def create_block_mask(mask_mod, B, N, T: int, S: int, *,
     if not isinstance(size, int) or size < 1:
       raise ValueError(f"create_block_mask: {name} must be a positive int, got {size!r}")
   if block_sizes is None:
-    block_sizes = default_block_sizes(jax.devices()[0].platform)
+    block_sizes = BLOCK_MASK_SIZES
   if not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), got {block_sizes!r}")
   mods = build_mods(mask_mod, None, None, None, N=N or 1)  # checks arity and result

@@ -1,0 +1,183 @@
+"""Which implementation runs, chosen per platform when the program is lowered.
+
+A program is traced once and may be lowered for any platform (`jax.export`
+for "tpu" from a CPU host, AOT lowering, `jax.default_device`). So the choice
+is made for every platform in `registry.PLATFORMS`, statically, from the call
+alone, and `per_platform` puts the distinct choices under
+`jax.lax.platform_dependent`: only the branch of the platform being lowered
+is lowered. When every platform makes the same choice, no branch is built.
+`jax.devices()` takes no part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jattn._src.impl.registry import IMPLEMENTATIONS, PLATFORMS, preference
+
+# platform_dependent's `default=` branch: every platform not named (ROCm and others).
+_DEFAULT = "rocm"
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """What runs on one platform: an implementation and its plan, or an error.
+
+  passed_over: (name, reason) of every implementation tried before it and refused.
+  error: an explicit implementation that cannot run there (raised if lowered there).
+  """
+
+  platform: str
+  implementation: str | None
+  plan: object = None
+  passed_over: tuple[tuple[str, str], ...] = ()
+  error: str | None = None
+
+  @property
+  def key(self):
+    """What decides the computation (branches with equal keys are one branch)."""
+    return (self.implementation, self.plan, self.error)
+
+
+def choose(call, implementation: str | None, platform: str) -> Choice:
+  """The implementation `implementation` (None: the platform's best) runs on `platform`."""
+  names = preference(call, platform) if implementation is None else (implementation,)
+  passed_over = []
+  for name in names:
+    plan = IMPLEMENTATIONS[name].plan_for(call, platform)
+    if not isinstance(plan, str):
+      return Choice(platform, name, plan, tuple(passed_over))
+    passed_over.append((name, plan))
+  if implementation is None:  # "xla" takes every call, so this cannot happen
+    raise AssertionError(f"no implementation takes this call on {platform}: {passed_over}")
+  return Choice(platform, None, passed_over=tuple(passed_over),
+                error=(f"implementation={implementation!r} cannot run this call on "
+                       f"{platform!r}: {passed_over[0][1]}"))
+
+
+def choose_all(call, implementation: str | None) -> tuple[Choice, ...]:
+  """One `Choice` per platform; a ValueError when an explicit implementation runs nowhere."""
+  choices = tuple(choose(call, implementation, p) for p in PLATFORMS)
+  if all(c.error is not None for c in choices):
+    # the reason on the platforms it was made for (e.g. "it takes no bias"),
+    # else that it runs on none of them
+    own = IMPLEMENTATIONS[implementation].platforms or PLATFORMS
+    reasons = dict.fromkeys(c.passed_over[0][1] for c in choices
+                            if c.platform in own or call.interpret)
+    raise ValueError(f"implementation={implementation!r} cannot run this call: "
+                     f"{'; '.join(reasons)}")
+  return choices
+
+
+def per_platform(branches: dict, *args):
+  """branches: platform -> (key, fn). fn(*args) for the platform being lowered.
+
+  Platforms whose keys are equal share one branch; a single branch is called
+  directly. A branch fn of None raises its error (the key's last item) when
+  lowered: its outputs take the shape of another branch's.
+  """
+  distinct = {key: fn for key, fn in branches.values()}
+  if len(distinct) == 1:
+    key, fn = next(iter(distinct.items()))
+    return fn(*args)
+  runnable = next(fn for fn in distinct.values() if fn is not None)
+  shapes = None
+
+  def refusal(error):
+    def fn(*args):
+      nonlocal shapes
+      if shapes is None:
+        shapes = jax.eval_shape(runnable, *args)
+      leaves, tree = jax.tree.flatten(shapes)
+      avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
+      return jax.tree.unflatten(tree, _refused_p.bind(*jax.tree.leaves(args), error=error,
+                                                       avals=avals))
+    return fn
+
+  fns = {p: fn if fn is not None else refusal(key[-1]) for p, (key, fn) in branches.items()}
+  default = fns.pop(_DEFAULT)
+  return jax.lax.platform_dependent(*args, default=default, **fns)
+
+
+def compute(call, choices: tuple[Choice, ...]):
+  """Runs the chosen implementations on the call's arrays -> (out, weights, lse)."""
+  mods = call.modifiers.mods
+  # A user's function traced for this call (a jaxpr in the static part of the
+  # modifiers) would never hit a jit cache (and fill it), so it runs inside the
+  # caller's trace; ready-made mask mods and sinks are traced inside the jit,
+  # which caches on their static fields.
+  fn = _compute if mods is None or mods.is_cacheable else _compute.__wrapped__
+  return fn(call.query, call.key, call.value, call.modifiers, layout=call.layout,
+            choices=choices, return_weights=call.return_weights,
+            return_residual=call.return_residual)
+
+
+def residual_in_layout(lse, layout, dtype) -> jax.Array:
+  """lse float32 [B, N, T] -> the query's layout without H, in `dtype`, no gradient."""
+  rows = layout.query.replace("H", "")
+  return jax.lax.stop_gradient(jnp.einsum(f"BNT->{rows}", lse).astype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "layout", "choices", "return_weights", "return_residual"))
+def _compute(query, key, value, modifiers, *, layout, choices, return_weights,
+             return_residual):
+  """Every platform's choice, under platform_dependent; the static choices are the
+  jit's key, with the modifiers' flags (causal, window, dropout rate)."""
+  if modifiers.mods is not None:
+    modifiers = modifiers.replace(mods=modifiers.mods.traced())
+
+  def branch(choice: Choice):
+    if choice.implementation is None:
+      return None
+    implementation = IMPLEMENTATIONS[choice.implementation]
+
+    def run(query, key, value, modifiers):
+      out, weights, lse = implementation.run(choice.plan, query, key, value, modifiers,
+                                             layout)
+      # Only what was asked for leaves the jit, so the rest is never computed.
+      return (out, weights if return_weights else None,
+              residual_in_layout(lse, layout, value.dtype) if return_residual else None)
+    return run
+
+  branches = {c.platform: (c.key, branch(c)) for c in choices}
+  return per_platform(branches, query, key, value, modifiers)
+
+
+# ---- an explicit implementation on a platform it cannot run on: an error when
+# (and only when) the program is lowered for that platform.
+
+
+def _refuse(*args, error, avals):
+  raise ValueError(error)
+
+
+def _refused_abstract_eval(*args, error, avals):
+  return avals
+
+
+def _refused_jvp(primals, tangents, *, error, avals):
+  outs = _refused_p.bind(*primals, error=error, avals=avals)
+  return outs, [ad.Zero(a.to_tangent_aval()) for a in avals]
+
+
+def _refused_batch(args, dims, *, error, avals):
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+  batched = tuple(jax.core.ShapedArray((size, *a.shape), a.dtype) for a in avals)
+  return _refused_p.bind(*args, error=error, avals=batched), (0,) * len(avals)
+
+
+_refused_p = Primitive("jattn_refused_implementation")
+_refused_p.multiple_results = True
+_refused_p.def_impl(_refuse)
+_refused_p.def_abstract_eval(_refused_abstract_eval)
+ad.primitive_jvps[_refused_p] = _refused_jvp
+batching.primitive_batchers[_refused_p] = _refused_batch
+mlir.register_lowering(_refused_p, lambda ctx, *args, error, avals: _refuse(error=error,
+                                                                              avals=avals))

@@ -1,0 +1,103 @@
+"""`jattn.explain`: which implementation each platform would run for a call, and why."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jattn._src import dispatch
+from jattn._src.call import make_call
+from jattn._src.dot_product_attention import check_implementation
+from jattn._src.impl import interpret
+from jattn._src.impl.registry import PLATFORMS
+
+_SHOWN = ("cpu", "tpu", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """The report of `jattn.explain`: one `dispatch.Choice` per platform.
+
+  choices[platform].implementation: what runs ("splash", "blockwise", ...), or
+  None when an explicit implementation cannot run there (`.error` says why);
+  .plan: its static plan (e.g. splash's mask expression); .passed_over: each
+  implementation tried before it, with the reason it refused the call.
+  `str()` gives the same as a readable report.
+  """
+
+  choices: dict
+
+  def implementation(self, platform: str) -> str | None:
+    return self.choices[platform].implementation
+
+  def reasons(self, platform: str) -> dict[str, str]:
+    """Implementation name -> why it refused the call on `platform`."""
+    return dict(self.choices[platform].passed_over)
+
+  def __str__(self) -> str:
+    lines = []
+    for platform in _SHOWN:
+      choice = self.choices[platform]
+      if choice.implementation is None:
+        lines.append(f"{platform}: cannot run: {choice.error}")
+      else:
+        lines.append(f"{platform}: {choice.implementation}  {choice.plan}")
+        for name, reason in choice.passed_over:
+          lines.append(f"    not {name}: {reason}")
+    return "\n".join(lines)
+
+
+def explain(query, key, value, bias=None, mask=None, *, implementation=None,
+            block_sizes=None, **kwargs) -> Explanation:
+  """What `dot_product_attention` with these arguments runs on each platform, and why.
+
+  Takes the arguments of `jattn.dot_product_attention` (arrays or
+  `jax.ShapeDtypeStruct`s); nothing is computed. For "cpu", "tpu" and "cuda":
+  the implementation that `implementation` (None: the platform's best) resolves
+  to when the program is lowered for that platform, its static plan, and for
+  every implementation passed over on the way, the reason it refused the call.
+  Bad arguments raise what `dot_product_attention` raises; an implementation that
+  cannot take the call is reported, not raised.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jattn
+    >>> q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)   # [B, T, N, H]
+    >>> report = jattn.explain(q, q, q, is_causal=True)
+    >>> report.implementation("tpu"), report.implementation("cpu")
+    ('splash', 'blockwise')
+    >>> report = jattn.explain(q, q, q, score_mod=jattn.mods.alibi(jnp.ones(8)))
+    >>> report.reasons("tpu")["splash"]
+    'score_mod ALiBi is not mods.soft_cap with a Python-number cap'
+  """
+  implementation = check_implementation(implementation, block_sizes)
+  if implementation == "ring":
+    raise ValueError("explain covers the single-device implementations; "
+                     "implementation='ring' runs blockwise on each device of the mesh")
+  # Every array (or ShapeDtypeStruct) in the arguments becomes a tracer: shapes
+  # and dtypes, no data. One object passed twice (q_segment_ids is
+  # kv_segment_ids) stays one tracer, since the kernels' plans compare them.
+  traceable = {name: x for name, x in kwargs.items() if _all_arrays(x)}
+  leaves, tree = jax.tree.flatten(traceable)
+  unique = list({id(x): x for x in leaves}.values())
+  where = [[id(u) for u in unique].index(id(x)) for x in leaves]
+  call = None
+
+  def check(query, key, value, bias, mask, unique):
+    nonlocal call  # only the static facts are used: the tracers die with this trace
+    arrays = jax.tree.unflatten(tree, [unique[i] for i in where])
+    call = make_call(query, key, value, bias, mask, block_sizes=block_sizes,
+                     interpret=interpret.interpreting(), **{**kwargs, **arrays})
+
+  jax.eval_shape(check, query, key, value, bias, mask, unique)
+  choices = {}
+  for platform in PLATFORMS:
+    choices[platform] = dispatch.choose(call, implementation, platform)
+  return Explanation(choices)
+
+
+def _all_arrays(x) -> bool:
+  leaves = jax.tree.leaves(x)
+  return bool(leaves) and all(
+      isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray)) for leaf in leaves)

@@ -1,0 +1,123 @@
+"""Every implementation of `dot_product_attention`, and each platform's order of preference.
+
+An `Implementation` answers one question before any work, `plan(call,
+platform)`: either a static, hashable plan (what it will compute: block sizes,
+a kernel's mask expression, ...) or a reason in words why it cannot take the
+call. `run(plan, query, key, value, modifiers, layout)` then computes it and
+returns (out, weights or None, lse float32 [B, N, T] or None).
+
+`implementation=None` walks `preference(call, platform)` and takes the first
+implementation that plans (`jattn/_src/dispatch.py`), once per platform the
+program may be lowered for; the registry is a plain dict, so adding a kernel
+is one entry here and one name in `preference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from jattn._src.impl import cudnn, fused, kernel_plans
+from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.impl.blockwise import blockwise_attention
+from jattn._src.impl.vmap import vmapped_attention
+from jattn._src.impl.xla import xla_attention
+
+# The platforms a program is lowered for, as jax.lax.platform_dependent names
+# them. "rocm" stands for every accelerator without a kernel of its own here.
+PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
+_PLATFORM_NAMES = {"cpu": "CPU", "tpu": "TPU", "cuda": "NVIDIA GPU (CUDA)", "rocm": "ROCm GPU"}
+
+# On CPU, blockwise beats the dense einsum from this many logits per head
+# (T * S) on: measured with both laid out for XLA:CPU's matmuls, float32 and
+# bfloat16, forward and forward+backward, causal or not, at T = S in 64..4096
+# (docs/implementations.md, benchmarks/crossover.py). At 64 they tie.
+CPU_BLOCKWISE_FROM = 128 * 128
+
+# On TPU and GPU, calls the fused kernels cannot take run "xla" while its
+# float32 logits [B, N, T, S] stay under this many bytes, else "blockwise"
+# (linear memory). NOT MEASURED: no TPU or GPU was available; the rule rests
+# only on the expectation that fused kernels beat the blockwise lax loop and
+# that XLA's dense einsum beats it while the logits fit comfortably in memory
+# (256 MiB: far below a TPU v4/v5 core's 16-95 GiB or any datacentre GPU's).
+ACCELERATOR_XLA_LOGITS_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """One way to compute attention.
+
+  platforms: where it runs ("cpu", "tpu", "cuda", "rocm"); None = everywhere.
+  interpretable: a Pallas kernel that runs anywhere inside `pallas_interpret()`.
+  plan(call, platform) -> a hashable plan, or a str: the reason it cannot.
+  run(plan, query, key, value, modifiers, layout) -> (out, weights | None, lse | None).
+  """
+
+  name: str
+  plan: Callable
+  run: Callable
+  platforms: tuple[str, ...] | None = None
+  interpretable: bool = False
+
+  def plan_for(self, call, platform: str):
+    """The plan on `platform`, or the reason in words (the platform's, or the plan's)."""
+    if not (self.platforms is None or platform in self.platforms
+            or (self.interpretable and call.interpret)):
+      needs = " or ".join(_PLATFORM_NAMES[p] for p in self.platforms)
+      return f"it needs a {needs}, the program is lowered for {platform!r}"
+    return self.plan(call, platform)
+
+
+@dataclasses.dataclass(frozen=True)
+class DensePlan:
+  """"xla" and "vmap" take every call: the [B, N, T, S] logits are formed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwisePlan:
+  block_sizes: BlockSizes
+
+
+def _dense_plan(call, platform):
+  return DensePlan()
+
+
+def _blockwise_plan(call, platform):
+  if call.return_weights:
+    return ("return_weights=True needs the [B, N, T, S] weights, which "
+            "implementation='blockwise' never forms; use implementation='xla'")
+  return BlockwisePlan(call.block_sizes or default_block_sizes(platform))
+
+
+IMPLEMENTATIONS = {
+    "xla": Implementation(
+        "xla", _dense_plan, lambda plan, *args: xla_attention(*args)),
+    "vmap": Implementation(
+        "vmap", _dense_plan, lambda plan, *args: vmapped_attention(*args)),
+    "blockwise": Implementation(
+        "blockwise", _blockwise_plan,
+        lambda plan, *args: blockwise_attention(*args, block_sizes=plan.block_sizes)),
+    "cudnn": Implementation(
+        "cudnn", cudnn.plan, cudnn.run, platforms=("cuda",)),
+    "splash": Implementation(
+        "splash", kernel_plans.splash_plan, fused.splash_implementation,
+        platforms=("tpu",), interpretable=True),
+    "pallas": Implementation(
+        "pallas", kernel_plans.pallas_plan, fused.pallas_implementation,
+        platforms=("cuda",), interpretable=True),
+}
+# "ring" is no entry: it is a shard_map over a mesh around the blockwise loop
+# (jattn/_src/impl/ring.py), chosen only by name.
+NAMES = tuple(IMPLEMENTATIONS) + ("ring",)
+
+
+def preference(call, platform: str) -> tuple[str, ...]:
+  """The implementations `implementation=None` tries on `platform`, best first."""
+  d = call.dims
+  if platform == "cpu":
+    small = d.T * d.S < CPU_BLOCKWISE_FROM
+    return ("xla", "blockwise") if small else ("blockwise", "xla")
+  fits = 4 * d.B * d.N * d.T * d.S <= ACCELERATOR_XLA_LOGITS_BYTES
+  generic = ("xla", "blockwise") if fits else ("blockwise", "xla")
+  kernels = {"tpu": ("splash",), "cuda": ("cudnn", "pallas")}.get(platform, ())
+  return kernels + generic
