@@ -116,3 +116,28 @@ def numerical_grad(f, x, eps=1e-6):
     flat[i] = old
     gflat[i] = (up - down) / (2 * eps)
   return g
+
+
+def reference_mods(q, k, v, *, allowed=None, score=None, sinks=None, scale=None, bias=None):
+  """float64 attention over the dense grid with a score function and sinks; BTNH layout.
+
+  allowed: bool, broadcastable to [B, N, T, S]; score: a NumPy function of the logits
+  [B, N, T, S]; sinks: [N]. Returns (out [B, T, N, D], weights [B, N, T, S]).
+  """
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  group = q.shape[2] // k.shape[2]
+  kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+  logits = np.einsum("BTNH,BSNH->BNTS", q, kk) * scale
+  if bias is not None:
+    logits = logits + bias
+  if score is not None:
+    logits = score(logits)
+  allowed = np.ones(logits.shape, bool) if allowed is None else np.broadcast_to(allowed, logits.shape)
+  sink = -np.inf if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]
+  m = np.maximum(np.where(allowed, logits, -np.inf).max(-1, keepdims=True), sink)
+  m = np.where(np.isfinite(m), m, 0.0)
+  e = np.where(allowed, np.exp(logits - m), 0.0)
+  denom = e.sum(-1, keepdims=True) + np.exp(sink - m)
+  w = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+  return np.einsum("BNTS,BSND->BTND", w, vv), w

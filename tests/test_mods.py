@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jattn
+from tests.reference import reference_mods as reference
 from jattn import mods
 from tests.helpers import raises
 
@@ -59,27 +60,6 @@ SCORES = {
     "relative_bias": (mods.relative_bias(TABLE),
                       lambda l: l + TABLE[n_, np.clip(s_ - t_, -3, 3) + 3]),
 }
-
-
-def reference(q, k, v, *, allowed=None, score=None, sinks=None, scale=None, bias=None):
-  """float64 attention over the dense grid; BTNH layout."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  group = q.shape[2] // k.shape[2]
-  kk, vv = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-  scale = 1 / np.sqrt(H) if scale is None else scale
-  logits = np.einsum("BTNH,BSNH->BNTS", q, kk) * scale
-  if bias is not None:
-    logits = logits + bias
-  if score is not None:
-    logits = score(logits)
-  allowed = np.ones(logits.shape, bool) if allowed is None else np.broadcast_to(allowed, logits.shape)
-  sink = -np.inf if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]
-  m = np.maximum(np.where(allowed, logits, -np.inf).max(-1, keepdims=True), sink)
-  m = np.where(np.isfinite(m), m, 0.0)
-  e = np.where(allowed, np.exp(logits - m), 0.0)
-  denom = e.sum(-1, keepdims=True) + np.exp(sink - m)
-  w = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
-  return np.einsum("BNTS,BSND->BTND", w, vv), w
 
 
 def _tiered(names, impls, default):

@@ -14,34 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src.impl.kernel_plans import PALLAS_BLOCK, PallasPlan, SplashPlan, find_document
+from jattn._src.impl.splash_mask import splash_mask
 
 
 def _block(n: int) -> int:
   return next(b for b in (512, 256, 128) if n % b == 0)
-
-
-def _splash_mask(expr: tuple, T: int, S: int):
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
-  kind = expr[0]
-  if kind == "causal":
-    return sm.CausalMask((T, S))
-  if kind == "local":
-    return sm.LocalMask((T, S), window_size=(expr[1], expr[2]), offset=0)
-  if kind == "full":
-    return sm.FullMask((T, S))
-  if kind == "chunk":
-    size = expr[1]
-    return sm.NumpyMask(np.arange(T)[:, None] // size == np.arange(S)[None, :] // size)
-  if kind in ("and", "or"):
-    parts = [_splash_mask(e, T, S) for e in expr[1:]]
-    if not parts:
-      return sm.FullMask((T, S))
-    out = parts[0]
-    for p in parts[1:]:
-      out = sm.LogicalAnd(out, p) if kind == "and" else sm.LogicalOr(out, p)
-    return out
-  raise AssertionError(expr)
 
 
 @functools.lru_cache(maxsize=32)
@@ -50,7 +27,7 @@ def _splash_kernel(plan: SplashPlan, T: int, S: int, heads: int, mqa: bool,
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-  mask = sm.MultiHeadMask([_splash_mask(plan.mask, T, S)] * heads)
+  mask = sm.MultiHeadMask([splash_mask(plan.mask, T, S)] * heads)
   bq, bkv = _block(T), _block(S)
   sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
                         block_kv_dkv=bkv, block_kv_dkv_compute=bkv, block_q_dq=bq,

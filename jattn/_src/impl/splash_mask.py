@@ -1,0 +1,121 @@
+"""jattn's mask expressions as one splash-attention mask: computed in the kernel,
+classified per block in closed form on the host.
+
+A `SplashPlan.mask` is a nested expression of ("causal",), ("local", left,
+right), ("chunk", size), ("full",) under ("and", ...) / ("or", ...). splash
+builds its block tables (`MaskInfo`) by evaluating the mask on every
+[block_q, block_kv] block in NumPy: for causal at T = 32k that is 4 s of host
+work inside every trace, also on a CPU host that will never lower for TPU
+(the TPU branch of `implementation=None` is traced everywhere). Here a block
+that the expression leaves wholly full or wholly empty is answered from its
+corners in O(1) (a broadcast view, no array is formed), and only the partial
+blocks are evaluated. In the kernel the same expression is the
+`mask_function` of a computable mask, so no [T, S] array exists anywhere
+(splash's own `NumpyMask`, which chunks used before, holds T x S bools).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+FULL, EMPTY, PARTIAL = "full", "empty", "partial"
+
+
+class _Uniform(np.ndarray):
+  """A block of one value (a broadcast view): any() and all() in O(1), not a scan."""
+
+  def any(self, *args, **kwargs):
+    return self.flat[0] if not (args or kwargs) else np.asarray(self).any(*args, **kwargs)
+
+  def all(self, *args, **kwargs):
+    return self.flat[0] if not (args or kwargs) else np.asarray(self).all(*args, **kwargs)
+
+
+def evaluate(expr: tuple, t, s):
+  """The expression at query positions t and key positions s (NumPy or jax arrays)."""
+  kind = expr[0]
+  if kind == "causal":
+    return s <= t
+  if kind == "local":
+    return (t - expr[1] <= s) & (s <= t + expr[2])
+  if kind == "chunk":
+    return t // expr[1] == s // expr[1]
+  if kind == "full":
+    return (t >= 0) & (s >= 0)
+  parts = [evaluate(e, t, s) for e in expr[1:]]
+  if not parts:
+    return (t >= 0) & (s >= 0)
+  out = parts[0]
+  for p in parts[1:]:
+    out = (out & p) if kind == "and" else (out | p)
+  return out
+
+
+def block_class(expr: tuple, t0: int, t1: int, s0: int, s1: int) -> str:
+  """FULL / EMPTY when every (t, s) in [t0, t1) x [s0, s1) is True / False, else PARTIAL.
+
+  PARTIAL may be conservative (the block is then evaluated exactly); FULL and
+  EMPTY are exact. t1 and s1 are exclusive.
+  """
+  kind, tl, sl = expr[0], t1 - 1, s1 - 1
+  if kind == "causal":  # s <= t
+    return FULL if sl <= t0 else EMPTY if s0 > tl else PARTIAL
+  if kind == "local":  # t - left <= s <= t + right
+    left, right = expr[1], expr[2]
+    if s0 >= tl - left and sl <= t0 + right:
+      return FULL
+    if sl < t0 - left or s0 > tl + right:
+      return EMPTY
+    return PARTIAL
+  if kind == "chunk":  # t // size == s // size
+    size = expr[1]
+    tc, sc = (t0 // size, tl // size), (s0 // size, sl // size)
+    if tc[0] == tc[1] == sc[0] == sc[1]:
+      return FULL
+    return EMPTY if tc[1] < sc[0] or sc[1] < tc[0] else PARTIAL
+  if kind == "full":
+    return FULL
+  classes = [block_class(e, t0, t1, s0, s1) for e in expr[1:]]
+  if kind == "and":
+    return EMPTY if EMPTY in classes else FULL if all(c == FULL for c in classes) else PARTIAL
+  return FULL if FULL in classes else EMPTY if all(c == EMPTY for c in classes) else PARTIAL
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_class():
+  """The splash mask class, made on first use (splash is imported only then)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+  class ExpressionMask(sm._ComputableMask):  # splash's base class of in-kernel masks
+    """A jattn mask expression over a [T, S] grid, as splash's computable mask."""
+
+    def __init__(self, expr: tuple, shape: tuple[int, int]):
+      self.expr = expr
+      super().__init__(shape=shape, mask_function=functools.partial(evaluate, expr))
+
+    def __getitem__(self, idx) -> np.ndarray:
+      t, s = idx
+      if not (isinstance(t, slice) and isinstance(s, slice)):
+        return super().__getitem__(idx)
+      t0, t1, _ = t.indices(self.shape[0])
+      s0, s1, _ = s.indices(self.shape[1])
+      cls = block_class(self.expr, t0, t1, s0, s1)
+      if cls == PARTIAL:
+        return super().__getitem__(idx)
+      return np.broadcast_to(np.bool_(cls == FULL), (t1 - t0, s1 - s0)).view(_Uniform)
+
+    def __eq__(self, other):
+      return (isinstance(other, ExpressionMask) and self.expr == other.expr
+              and self.shape == other.shape)
+
+    def __hash__(self):
+      return hash((ExpressionMask, self.expr, self.shape))
+
+  return ExpressionMask
+
+
+def splash_mask(expr: tuple, T: int, S: int):
+  """The splash mask (a computable `_ComputableMask`) of expression `expr` on [T, S]."""
+  return _mask_class()(expr, (T, S))

@@ -1,0 +1,126 @@
+"""implementation=None chooses per platform when the program is lowered: exported from
+this CPU host for TPU and CUDA, the same jitted function carries the fused kernel
+(Mosaic `tpu_custom_call`, Triton `__gpu$xla.gpu.triton`) forward and backward,
+and no [T, S]-shaped tensor; where a kernel refuses, `jattn.explain` says why and
+the export carries no kernel. Lowering only: nothing here runs on a TPU or GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import jattn
+from jattn import mods
+from tests.helpers import raises
+from tests.reference import reference_mods
+
+B, T, N, K, H = 2, 384, 4, 2, 128  # T: three 128-tiles; no other axis is 384 long
+TRITON = "__gpu$xla.gpu.triton"
+KERNEL = {"tpu": "tpu_custom_call", "cuda": TRITON}
+IDS = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [100, 200, 84], axis=1).astype(np.int32)
+
+# name -> (kwargs, kv heads, {platform: kernel expected?}) (issue 23's cases)
+CASES = {
+    "causal": (dict(is_causal=True), K, {"tpu": True, "cuda": True}),
+    "window_segments": (dict(local_window_size=(64, 0), q_segment_ids=IDS,
+                             kv_segment_ids=IDS), K, {"tpu": True, "cuda": False}),
+    "grouped_heads": (dict(), 1, {"tpu": True, "cuda": True}),
+    "soft_cap_sinks": (dict(is_causal=True, score_mod=mods.soft_cap(20.0),
+                            sinks=jnp.linspace(-1.0, 1.0, N)), K, {"tpu": True, "cuda": False}),
+    "alibi": (dict(is_causal=True, score_mod=mods.alibi(jnp.linspace(0.1, 0.4, N))), K,
+              {"tpu": False, "cuda": False}),
+}
+
+
+def _functions(kw):
+  fwd = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
+  loss = lambda q, k, v: jnp.sum(fwd(q, k, v).astype(jnp.float32) ** 2)
+  return {"forward": fwd, "grad": jax.grad(loss, argnums=(0, 1, 2))}
+
+
+def _exported(fn, platform, kv_heads, dtype=jnp.bfloat16):
+  q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+  kv = jax.ShapeDtypeStruct((B, T, kv_heads, H), dtype)
+  checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
+  return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+      q, kv, kv).mlir_module()
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_carries_the_kernel_where_the_plan_takes_the_call(case, platform):
+  kw, kv_heads, expected = CASES[case]
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((B, T, kv_heads, H), jnp.bfloat16)
+  report = jattn.explain(q, kv, kv, **kw)
+  kernel = {"tpu": "splash", "cuda": "pallas"}[platform]
+  assert (report.implementation(platform) == kernel) == expected[platform], str(report)
+  if not expected[platform]:
+    assert kernel in report.reasons(platform), str(report)  # refused, with a reason
+  for what, fn in _functions(kw).items():
+    text = _exported(fn, platform, kv_heads)
+    assert (KERNEL[platform] in text) == expected[platform], (what, platform)
+    if expected[platform]:  # the logits never exist outside the kernel
+      assert not re.search(rf"tensor<(\d+x)*{T}x{T}x", text), (what, platform)
+    else:
+      assert re.search(rf"tensor<(\d+x)*{T}x{T}x", text), (what, platform)
+
+
+def test_the_cpu_result_of_the_same_function_is_unchanged():
+  """The function whose TPU export holds splash computes, on this CPU, what the reference does."""
+  kw, kv_heads, _ = CASES["soft_cap_sinks"]
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((1, 256, N, 64)).astype(np.float32)
+  k, v = (rng.standard_normal((1, 256, kv_heads, 64)).astype(np.float32) for _ in "kv")
+  fn = jax.jit(_functions(kw)["forward"])
+  assert "tpu_custom_call" in export.export(fn, platforms=["tpu"])(q, k, v).mlir_module()
+  causal = np.tril(np.ones((256, 256), bool))
+  want, _ = reference_mods(q, k, v, allowed=causal, score=lambda x: 20.0 * np.tanh(x / 20.0),
+                           sinks=np.asarray(kw["sinks"]))
+  np.testing.assert_allclose(fn(q, k, v), want, atol=2e-5, rtol=2e-5)
+
+
+def test_an_explicit_kernel_names_the_platform_it_cannot_run_on():
+  q = jnp.zeros((1, 128, 2, 64))
+  f = jax.jit(lambda q: jattn.dot_product_attention(q, q, q, implementation="splash"))
+  assert "tpu_custom_call" in export.export(f, platforms=["tpu"])(q).mlir_module()
+  with raises(ValueError, "implementation='splash' cannot run this call on 'cpu': "
+                          "it needs a TPU, the program is lowered for 'cpu'"):
+    f(q)
+  with raises(ValueError, "implementation='splash' cannot run this call on 'cuda'"):
+    export.export(f, platforms=["cuda"])(q)
+
+
+def test_one_platform_choice_builds_no_branch():
+  """return_weights: "xla" everywhere, so the jaxpr has no platform_dependent switch."""
+  q = jnp.zeros((1, 8, 2, 4))
+  jaxpr = str(jax.make_jaxpr(lambda q: jattn.dot_product_attention(
+      q, q, q, return_weights=True))(q))
+  assert "platform_index" not in jaxpr
+  jaxpr = str(jax.make_jaxpr(lambda q: jattn.dot_product_attention(q, q, q))(q))
+  assert "platform_index" in jaxpr  # splash on TPU, pallas on CUDA, xla on CPU
+
+
+def test_explain_reports_plans_and_reasons_for_every_platform():
+  q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+  report = jattn.explain(q, q, q, mask_mod=mods.and_masks(mods.causal(), mods.document(ids)))
+  assert report.implementation("cpu") == "blockwise"
+  assert report.choices["cpu"].plan.block_sizes == jattn.BlockSizes(q=512, kv=256)
+  assert report.implementation("tpu") == "splash"
+  splash = report.choices["tpu"].plan
+  assert splash.mask == ("and", ("and", ("causal",), ("full",))) and splash.document
+  assert report.implementation("cuda") == "xla"
+  assert "lowers only mods.causal and mods.document" in report.reasons("cuda")["pallas"]
+  text = str(report)
+  assert "tpu: splash" in text and "not pallas: it lowers only" in text
+  # an explicit implementation that cannot run somewhere is reported, not raised
+  report = jattn.explain(q, q, q, implementation="splash", bias=jnp.zeros(()))
+  assert report.implementation("tpu") is None
+  assert "it takes no bias" in report.choices["tpu"].error
