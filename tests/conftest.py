@@ -28,3 +28,18 @@ hypothesis.settings.register_profile(
 hypothesis.settings.register_profile(
     "thorough", max_examples=300, deadline=None, print_blob=True,
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+
+
+# Tests marked `tpu` or `gpu` need that accelerator and run only where jax has
+# one (never in CI); `interpret` and `multidevice` tests run everywhere.
+import pytest  # noqa: E402
+
+_PLATFORM_OF_MARK = {"tpu": "tpu", "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(config, items):
+  present = {d.platform for d in jax.devices()}
+  for item in items:
+    for mark, platform in _PLATFORM_OF_MARK.items():
+      if mark in item.keywords and platform not in present:
+        item.add_marker(pytest.mark.skip(reason=f"needs a {mark.upper()}; jax sees {present}"))

@@ -20,6 +20,8 @@ from jattn._src.impl import cudnn
 from jattn._src.impl.interpret import pallas_interpret
 from tests.helpers import make_qkv, raises, to_layout
 
+pytestmark = pytest.mark.interpret
+
 B, T, H = 2, 128, 16
 IDS = np.repeat(np.array([[0, 1], [0, 2]]), [50, 78], axis=1).astype(np.int32)  # [B, T]
 OTHER_IDS = np.repeat(np.array([[0, 1], [1, 0]]), [64, 64], axis=1).astype(np.int32)
