@@ -69,7 +69,7 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
     ('splash', 'blockwise')
     >>> report = jattn.explain(q, q, q, score_mod=jattn.mods.alibi(jnp.ones(8)))
     >>> report.reasons("tpu")["splash"]
-    'score_mod ALiBi is not mods.soft_cap with a Python-number cap'
+    'score_mod Alibi is not mods.soft_cap with a Python-number cap'
   """
   implementation = check_implementation(implementation, block_sizes)
   if implementation == "ring":

@@ -49,8 +49,8 @@ class BlockMask:
   Examples:
     >>> import jattn
     >>> bm = jattn.create_block_mask(jattn.mods.causal(), None, None, 256, 256)
-    >>> bm.classes.shape   # [1, 1, T / q, S / kv] with the default block sizes
-    (1, 1, 1, 1)
+    >>> bm.classes.shape   # [1, 1, T / q, S / kv], default blocks of 128 x 128
+    (1, 1, 2, 2)
   """
 
   classes: jax.Array
