@@ -7,6 +7,7 @@ from jattn._src.call import make_call
 from jattn._src.impl import interpret
 from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.impl.registry import NAMES
+from jattn._src.impl.ring import ring_from_context
 
 
 def check_implementation(implementation, block_sizes) -> str | None:
@@ -126,8 +127,6 @@ def dot_product_attention(
                 return_residual=return_residual, mask_mod=mask_mod, score_mod=score_mod,
                 sinks=sinks, block_mask=block_mask)
   if implementation == "ring":
-    from jattn._src.impl.ring import ring_from_context  # ring builds on this module
-
     return ring_from_context(
         query, key, value, bias, mask, local_window_size=local_window_size,
         dropout_rate=dropout_rate, return_weights=return_weights, block_sizes=block_sizes,
