@@ -1,4 +1,8 @@
-"""Side-by-side attention benchmark: jattn's implementations against jax.nn, flax.nnx and PyTorch.
+"""Side-by-side attention benchmark: jattn's implementations against jax.nn, flax.nnx,
+PyTorch and tokamax.
+
+torch and tokamax are optional contenders (`pip install torch==2.13.0`,
+`pip install tokamax==0.0.12`), skipped with a message when not importable.
 
 One process, the same inputs for every contender (B=1, N=8, H=64 by default),
 warm-ups, then rounds that run every contender once each (so load from other
@@ -48,6 +52,17 @@ def _torch():
   return torch
 
 
+def _tokamax():
+  try:  # optional, like torch: pip install tokamax==0.0.12 (runs beside jax 0.10)
+    import tokamax
+    from absl import flags
+  except ImportError:
+    return None
+  if not flags.FLAGS.is_parsed():  # tokamax reads absl flags; ours are not theirs
+    flags.FLAGS(sys.argv[:1])
+  return tokamax
+
+
 # ---------------------------------------------------------------- contenders
 # Each builder returns a zero-argument callable that runs one call to completion.
 
@@ -85,6 +100,15 @@ def flax_nnx(q, k, v, causal, mode, dtype):
   return _jax_runner(fn, q, k, v, mode, dtype)
 
 
+def tokamax_builder(impl):
+  def build(q, k, v, causal, mode, dtype):
+    tokamax = _tokamax()
+    fn = lambda q, k, v: tokamax.dot_product_attention(
+        q, k, v, is_causal=causal, implementation=impl)
+    return _jax_runner(fn, q, k, v, mode, dtype)
+  return build
+
+
 def torch_sdpa(q, k, v, causal, mode, dtype):
   torch = _torch()
   tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -117,8 +141,14 @@ def contenders(names):
       "jax.nn": jax_nn,
       "flax.nnx": flax_nnx,
       "torch": torch_sdpa,
+      "tokamax:xla_chunked": tokamax_builder("xla_chunked"),
+      "tokamax:default": tokamax_builder(None),
   }
   chosen = {n: table[n] for n in names}
+  for name in [n for n in chosen if n.startswith("tokamax")]:
+    if _tokamax() is None:
+      print(f"tokamax not importable: skipping {name}")
+      del chosen[name]
   if "torch" in chosen and _torch() is None:
     print("torch not importable: skipping torch SDPA")
     del chosen["torch"]
@@ -298,7 +328,7 @@ def main():
   p.add_argument("--modes", default="fwd,fwdbwd", help="fwd and/or fwdbwd")
   p.add_argument("--causal", default="both", choices=("no", "yes", "both"))
   p.add_argument("--contenders", default="jattn:xla,jattn:blockwise,jattn:default,"
-                 "jax.nn,flax.nnx,torch")
+                 "jax.nn,flax.nnx,torch,tokamax:xla_chunked")
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--settle", type=float, default=0.5,
