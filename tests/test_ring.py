@@ -69,16 +69,3 @@ def test_ring_in_every_dtype_and_under_vmap_and_jit():
   assert result.returncode == 0, result.stdout + result.stderr
   assert "FAIL" not in result.stdout
   assert result.stdout.count("ok  ") == 5
-
-
-@pytest.mark.multidevice
-@pytest.mark.parametrize("cases,count", [
-    ("quick", 4), pytest.param("all", 10, marks=pytest.mark.thorough)])
-def test_ring_on_make_mesh_explicit_and_auto_axes_with_any_input_layout(cases, count):
-  """jax.make_mesh (Explicit axes) and Auto axes, inputs unsharded or sharded along T, B or
-  the heads, ring_attention and implementation="ring" under jax.set_mesh, in jit: values,
-  gradients and the output's sharding (that of the query) against jax.nn."""
-  result = run_on_8_devices(HERE / "multidevice" / "ring_meshes.py", cases)
-  print(result.stdout)
-  assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-  assert result.stdout.count("ok  ") == count

@@ -7,7 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from jattn._src.core import checks as _checks
 from jattn._src.core.attend import default_scale
@@ -205,47 +205,13 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, mods, *, mesh, axi
 
   # An absent (None) optional argument is an empty pytree: any spec fits it.
   ids_spec = spec("BT")
-  in_specs = (spec(layout.query), spec(layout.key), spec(layout.value),
-              ids_spec, ids_spec, spec("B"), spec("B"), PartitionSpec())
-  args = _resharded(mesh, in_specs, (query, key, value, q_ids, kv_ids, q_len, kv_len, mods))
-  out, lse = jax.shard_map(
-      local, mesh=mesh, in_specs=in_specs,
+  out = jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(spec(layout.query), spec(layout.key), spec(layout.value),
+                ids_spec, ids_spec, spec("B"), spec("B"), PartitionSpec()),
       out_specs=(spec(layout.out), spec("BNT")),
       # The blockwise loops inside start their accumulators from constants,
       # which the varying-manual-axes type check would reject as loop carries.
       check_vma=False,
-  )(*args)
-  # On Explicit axes the output's sharding is part of its type: it leaves laid
-  # out as the query came in, so `x + attention(x)` type-checks.
-  query_spec = dict(zip(layout.query, _spec_of(query)))
-  query_spec["D"] = query_spec["H"]
-  out_spec = PartitionSpec(*(query_spec[c] for c in layout.out))
-  lse_spec = PartitionSpec(*(query_spec[c] for c in "BNT"))
-  return _resharded(mesh, (out_spec, lse_spec), (out, lse))
-
-
-def _spec_of(x) -> tuple:
-  """x's PartitionSpec on Explicit axes, one entry per axis (None: not sharded)."""
-  spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
-  return spec + (None,) * (x.ndim - len(spec))
-
-
-def _resharded(mesh, in_specs, args):
-  """The arguments laid out as `in_specs` say, where the mesh's axes are Explicit.
-
-  shard_map takes inputs whose sharding differs from its in_specs only on Auto
-  axes (it reshards them itself); on Explicit axes (jax.make_mesh's default)
-  the inputs' own sharding is part of their type, so they are resharded here:
-  unsharded inputs, or inputs sharded along batch or heads, move to the ring's
-  layout.
-  """
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == AxisType.Explicit}
-  if not explicit:
-    return args
-
-  def move(x, spec):
-    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-
-  return tuple(jax.tree.map(lambda x, s=spec: move(x, s), arg) if arg is not None else arg
-               for arg, spec in zip(args, in_specs))
+  )(query, key, value, q_ids, kv_ids, q_len, kv_len, mods)
+  return out
