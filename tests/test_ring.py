@@ -33,6 +33,15 @@ def test_ring_attention_matches_single_device_values_and_gradients(cases, count)
   assert_checks_pass("ring_cases.py", cases, count)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cases,count", [
+    ("quick", 6), pytest.param("all", 10, marks=pytest.mark.thorough)])
+def test_ring_under_jax_make_mesh_explicit_and_auto_axes(cases, count):
+  """Meshes from jax.make_mesh (Explicit axes, its default) and Auto axes, inputs
+  unsharded or sharded along the sequence, batch or heads, against float64."""
+  assert_checks_pass("ring_sharding_cases.py", cases, count)
+
+
 def test_ring_without_a_mesh_says_how_to_set_one():
   import numpy as np
   import jattn

@@ -7,7 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jattn._src.core import checks as _checks
 from jattn._src.core.attend import default_scale
@@ -99,6 +99,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
                        f"batch and every head on each device, got {', '.join(sharded)}; "
                        f"shard only the sequence (a mesh with the 'seq' axis alone)")
 
+  home = _home(query, lay, mesh)
   if not lay.has_batch:
     query, key, value = (x[None] for x in (query, key, value))
     lay = Layout("B" + lay.query)
@@ -116,6 +117,7 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   lse = residual_in_layout(lse, lay, out.dtype)  # [B, T, N] for "BTNH"
   if not dims["has_batch"]:
     out, lse = out[0], lse[0]
+  out, lse = home(out, lse)
   return (out, lse) if return_residual else out
 
 
@@ -157,6 +159,14 @@ def _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims, chunks) 
     if name is not None and name not in mesh.axis_names:
       raise ValueError(f"{arg} {name!r} is not an axis of the mesh, whose axes are "
                        f"{dict(mesh.shape)}")
+  named = [(arg, name) for arg, name in (("axis_name", axis_name),
+                                         ("batch_axis_name", batch_axis_name),
+                                         ("head_axis_name", head_axis_name)) if name is not None]
+  for i, (arg, name) in enumerate(named):
+    for other, other_name in named[:i]:
+      if name == other_name:
+        raise ValueError(f"{arg} and {other} are both mesh axis {name!r}: each array "
+                         f"axis needs a mesh axis of its own")
   P = mesh.shape[axis_name]
   for letter, size in (("T", dims["T"]), ("S", dims["S"])):
     if size % (chunks * P):
@@ -205,13 +215,81 @@ def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, mods, *, mesh, axi
 
   # An absent (None) optional argument is an empty pytree: any spec fits it.
   ids_spec = spec("BT")
+  in_specs = (spec(layout.query), spec(layout.key), spec(layout.value),
+              ids_spec, ids_spec, spec("B"), spec("B"), PartitionSpec())
+  args = _place((query, key, value, q_ids, kv_ids, q_len, kv_len, mods), in_specs, mesh)
   out = jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(spec(layout.query), spec(layout.key), spec(layout.value),
-                ids_spec, ids_spec, spec("B"), spec("B"), PartitionSpec()),
+      local, mesh=mesh, in_specs=in_specs,
       out_specs=(spec(layout.out), spec("BNT")),
       # The blockwise loops inside start their accumulators from constants,
       # which the varying-manual-axes type check would reject as loop carries.
       check_vma=False,
-  )(query, key, value, q_ids, kv_ids, q_len, kv_len, mods)
+  )(*args)
   return out
+
+
+_ARG_NAMES = ("query", "key", "value", "q_segment_ids", "kv_segment_ids",
+              "query_seq_lengths", "key_value_seq_lengths", "mask_mod/score_mod/sinks arrays")
+
+
+def _place(args, in_specs, mesh):
+  """The arguments of the shard_map, resharded to `in_specs` on the mesh's Explicit axes.
+
+  An Explicit axis (`jax.make_mesh`'s default) is part of an array's type, and
+  shard_map takes only arrays whose type already matches in_specs: whatever
+  the caller's sharding (none, the sequence, batch or heads), reshard. Auto
+  axes are left to shard_map, which places the arrays itself.
+  """
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == AxisType.Explicit}
+  for arg, name in zip(args, _ARG_NAMES):
+    for x in jax.tree.leaves(arg):
+      _check_placement(name, x, mesh)
+  if not explicit:
+    return args
+
+  def place(x, spec):
+    spec = PartitionSpec(*(_only(a, explicit) for a in spec))
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+  return tuple(jax.tree.map(lambda x, spec=spec: place(x, spec), arg)
+               for arg, spec in zip(args, in_specs))
+
+
+def _home(query, layout: Layout, mesh):
+  """A function that gives (out, lse) the query's sharding on the mesh's Explicit axes.
+
+  Under Explicit axes the sharding is part of the type, and attention keeps it as
+  jax.nn's does: the output is sharded as the query (its D axis not at all), the
+  lse as the query without H. Auto axes are left to the compiler.
+  """
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == AxisType.Explicit}
+  if not explicit:
+    return lambda out, lse: (out, lse)
+  _check_placement("query", query, mesh)
+  spec = jax.typeof(query).sharding.spec._normalized_spec_for_aval(query.ndim)
+  axis = {letter: _only(entry, explicit) for letter, entry in zip(layout.query, spec)}
+  at = lambda letters: NamedSharding(mesh, PartitionSpec(*(axis.get(c) for c in letters)))
+  rows = layout.query.replace("H", "")
+  return lambda out, lse: (jax.sharding.reshard(out, at(layout.out)),
+                           jax.sharding.reshard(lse, at(rows)))
+
+
+def _only(entry, axes):
+  """A PartitionSpec entry restricted to `axes` (None when none is left)."""
+  names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  kept = tuple(a for a in names if a in axes)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _check_placement(name, x, mesh):
+  """An array sharded over an axis the ring's mesh lacks cannot be resharded onto it."""
+  sharding = jax.typeof(x).sharding
+  used = {a for entry in sharding.spec if entry is not None
+          for a in ((entry,) if isinstance(entry, str) else entry)}
+  foreign = sorted(used - set(mesh.axis_names))
+  if foreign:
+    raise ValueError(f"{name} {jax.typeof(x).str_short()} is sharded over mesh axis "
+                     f"{foreign[0]!r} ({sharding.spec}), which the mesh of ring attention "
+                     f"lacks (its axes are {dict(mesh.shape)}); put it on that mesh first")
