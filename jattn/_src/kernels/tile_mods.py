@@ -1,0 +1,200 @@
+"""A user's mask_mod / score_mod jaxpr evaluated on one [block_q, block_kv] tile.
+
+`Mods` holds each mod traced on int32 scalars (b, n, t, s). Inside a kernel
+program b and n are fixed scalars and t, s are [block_q, block_kv] tiles of
+iota positions, so the jaxpr is evaluated here equation by equation with each
+value either a scalar (it depends on b, n and captured arrays only) or a
+tile (it depends on t, s or the score):
+
+  * an elementwise primitive on scalars of int or bool type stays scalar
+    (scalar-core arithmetic, e.g. the wrap of a negative index); any other
+    elementwise primitive broadcasts its scalars to the tile and runs on tiles;
+  * a captured array (a `Mods` const) is read element by element through a
+    `read(const_index, flat_index)` callback: in the kernel, a load from the
+    array's copy in SMEM (scalar prefetch). Only `dynamic_slice` of one
+    element at scalar indices, then `squeeze`, may touch it: that is how
+    `slopes[n]`, `prefix_lengths[b]` or a traced cap trace.
+
+Anything else (an array indexed by a tile position such as `segment_ids[b, t]`,
+a `jnp.take` gather, a reduction) raises `Unsupported` with a reason in words;
+`check` runs the same evaluation on abstract values at plan time, so a call the
+kernel cannot take is refused before any lowering, never answered wrongly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+# Elementwise primitives (shape-free parameters): run on scalars or on tiles.
+_ELEMENTWISE = frozenset("""
+  abs add sub mul div rem neg sign max min pow integer_pow exp exp2 log log1p
+  tanh logistic sqrt rsqrt cbrt sin cos tan erf erfc floor ceil round nextafter
+  eq ne lt le gt ge and or not xor select_n convert_element_type clamp square
+  shift_left shift_right_logical shift_right_arithmetic is_finite copy copy_p
+  stop_gradient reduce_precision atan2 asinh acosh atanh sinh cosh expm1
+""".split())
+# Scalar-core arithmetic: int and bool scalars stay scalars for these.
+_SCALAR_SAFE = frozenset("""
+  add sub mul div rem neg sign max min abs eq ne lt le gt ge and or not xor select_n
+  convert_element_type clamp
+""".split())
+# An array in SMEM takes at most this many elements here (SMEM is small).
+MAX_SMEM_ELEMENTS = 1 << 14
+
+
+class Unsupported(Exception):
+  """The function cannot be evaluated on a tile in the kernel; str() is the reason."""
+
+
+class _Const:
+  """A captured array, readable one element at a time."""
+
+  def __init__(self, index, shape, dtype):
+    self.index, self.shape, self.dtype = index, tuple(shape), np.dtype(dtype)
+
+
+class _Element:
+  """dynamic_slice of one element of a _Const: shape (1, ..., 1), held as its scalar."""
+
+  def __init__(self, value, ndim):
+    self.value, self.ndim = value, ndim
+
+
+def _is_tile(x) -> bool:
+  return hasattr(x, "shape") and len(x.shape) == 2
+
+
+def evaluate(jaxpr, consts_meta, read, args, tile_shape):
+  """jaxpr (open, its constvars = the Mods consts) on args (scalars or tiles) -> list.
+
+  consts_meta: [(shape, dtype)] per const; read(i, flat_index) -> that element
+  of const i as a scalar of its dtype.
+  """
+  consts = [_Const(i, shape, dtype) for i, (shape, dtype) in enumerate(consts_meta)]
+  return _evaluate(jaxpr, consts, read, args, tile_shape)
+
+
+def _evaluate(jaxpr, consts, read, args, tile_shape):
+  env = {}
+
+  def get(v):
+    if isinstance(v, jex_core.Literal):
+      return jnp.asarray(v.val, v.aval.dtype)
+    return env[v]
+
+  for var, x in zip(jaxpr.constvars, consts):
+    env[var] = x
+  for var, x in zip(jaxpr.invars, args):
+    env[var] = x
+  for eqn in jaxpr.eqns:
+    outs = _eqn(eqn, [get(v) for v in eqn.invars], read, tile_shape)
+    for var, x in zip(eqn.outvars, outs):
+      env[var] = x
+  return [get(v) for v in jaxpr.outvars]
+
+
+def _eqn(eqn, ins, read, tile_shape):
+  name = eqn.primitive.name
+  sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  if sub is not None:  # jit, custom_jvp_call, ...: evaluated inline
+    inner = getattr(sub, "jaxpr", sub)
+    inner_consts = list(getattr(sub, "consts", []))
+    if any(np.size(c) != 1 for c in inner_consts):
+      raise Unsupported(f"'{name}' inside the function closes over an array")
+    inner_consts = [jnp.asarray(c).reshape(()) for c in inner_consts]
+    return _evaluate(inner, inner_consts, read, ins, tile_shape)
+  if any(isinstance(x, _Const) for x in ins):
+    return [_read_const(eqn, ins, read)]
+  if any(isinstance(x, _Element) for x in ins):
+    x = ins[0]
+    if name in ("squeeze", "reshape") and eqn.outvars[0].aval.shape == ():
+      return [x.value]
+    raise Unsupported(f"an element of a captured array goes into '{name}' "
+                      "before it is reduced to a scalar")
+  if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+    if eqn.outvars[0].aval.shape == () and eqn.invars[0].aval.shape == ():
+      return [ins[0]]
+    raise Unsupported(f"'{name}' to shape {eqn.outvars[0].aval.shape}: the function "
+                      "builds an array, where the kernel evaluates it on one entry")
+  if name == "iota" or name not in _ELEMENTWISE:
+    raise Unsupported(f"the primitive '{name}' is not evaluated on a tile by the kernel "
+                      "(elementwise arithmetic, comparisons and scalar reads of captured "
+                      "arrays are)")
+  if any(eqn.invars[k].aval.shape != () for k in range(len(eqn.invars))):
+    raise Unsupported(f"'{name}' on a non-scalar value")
+  out_dtype = eqn.outvars[0].aval.dtype
+  scalar = (not any(_is_tile(x) for x in ins) and name in _SCALAR_SAFE
+            and all(jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_
+                    for x in ins)
+            and (jnp.issubdtype(out_dtype, jnp.integer) or out_dtype == jnp.bool_))
+  if not scalar:
+    ins = [x if _is_tile(x) else jnp.broadcast_to(x, tile_shape) for x in ins]
+  out = eqn.primitive.bind(*ins, **eqn.params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _read_const(eqn, ins, read):
+  """dynamic_slice(const, *scalar starts) of one element -> _Element."""
+  name = eqn.primitive.name
+  const = ins[0]
+  if name != "dynamic_slice" or not isinstance(const, _Const) or any(
+      isinstance(x, _Const) for x in ins[1:]):
+    raise Unsupported(f"a captured array of shape {list(const.shape)} is used by '{name}'; "
+                      "the kernel reads captured arrays only one element at a time "
+                      "(x[b], x[n], a scalar)")
+  if any(s != 1 for s in eqn.params["slice_sizes"]):
+    raise Unsupported(f"a slice of shape {list(eqn.params['slice_sizes'])} of a captured "
+                      "array; the kernel reads one element at a time")
+  starts = ins[1:]
+  if any(_is_tile(x) for x in starts):
+    raise Unsupported(f"a captured array of shape {list(const.shape)} is indexed by a query "
+                      "or key position (t or s); the kernel takes only arrays indexed by "
+                      "b, n or constants (per-token arrays as blocks are not done yet)")
+  flat = jnp.int32(0)
+  for start, dim in zip(starts, const.shape):  # dynamic_slice clamps its starts
+    start = jnp.minimum(jnp.maximum(start.astype(jnp.int32), 0), dim - 1)
+    flat = flat * dim + start
+  return _Element(read(const.index, flat), len(const.shape))
+
+
+def consts_meta(consts) -> tuple:
+  return tuple((tuple(np.shape(c)), np.dtype(c.dtype)) for c in consts)
+
+
+def check_consts(consts) -> str | None:
+  """A reason why these captured arrays cannot go to SMEM, or None."""
+  for c in consts:
+    dtype = np.dtype(c.dtype)
+    if dtype.itemsize != 4 and dtype != np.bool_:
+      return (f"a captured array of dtype {dtype} (SMEM holds 32-bit values: int32, "
+              "uint32, float32)")
+    if np.size(c) > MAX_SMEM_ELEMENTS:
+      return (f"a captured array of {np.size(c)} elements (over {MAX_SMEM_ELEMENTS} for "
+              "SMEM; per-token arrays as blocks are not done yet)")
+  return None
+
+
+def check(jaxpr, meta, n_args: int, score: bool) -> str | None:
+  """None if `evaluate` takes this jaxpr on a tile; else the reason in words."""
+  tile = (8, 128)
+
+  def read(i, flat):
+    shape, dtype = meta[i]
+    return jnp.zeros((), dtype)
+
+  def f(*args):
+    return evaluate(jaxpr, meta, read, args, tile)
+
+  args = [jax.ShapeDtypeStruct((), jnp.int32)] * 2 + [jax.ShapeDtypeStruct(tile, jnp.int32)] * 2
+  if score:
+    args = [jax.ShapeDtypeStruct(tile, jnp.float32)] + args
+  try:
+    outs = jax.eval_shape(f, *args)
+  except Unsupported as e:
+    return str(e)
+  del outs  # a scalar result (a function of b and n alone) is broadcast by the caller
+  return None
