@@ -224,8 +224,8 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods):
   grid = (p.B, p.N, Tp // bq, Sp // bk)
   in_specs = [
       pl.BlockSpec((None, None, bq, p.H), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, bk, p.H), lambda b, n, i, j, *_: (b, n // G, j, 0)),
-      pl.BlockSpec((None, None, bk, p.D), lambda b, n, i, j, *_: (b, n // G, j, 0)),
+      pl.BlockSpec((None, None, bk, p.H), lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)),
+      pl.BlockSpec((None, None, bk, p.D), lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)),
   ]
   out_specs = [
       pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),

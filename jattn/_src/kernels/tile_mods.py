@@ -107,6 +107,9 @@ def _eqn(eqn, ins, read, tile_shape):
       raise Unsupported(f"'{name}' inside the function closes over an array")
     inner_consts = [jnp.asarray(c).reshape(()) for c in inner_consts]
     return _evaluate(inner, inner_consts, read, ins, tile_shape)
+  # A captured scalar (a traced cap) is read where it is used.
+  ins = [read(x.index, jnp.int32(0)) if isinstance(x, _Const) and x.shape == () else x
+         for x in ins]
   if any(isinstance(x, _Const) for x in ins):
     return [_read_const(eqn, ins, read)]
   if any(isinstance(x, _Element) for x in ins):
@@ -133,6 +136,10 @@ def _eqn(eqn, ins, read, tile_shape):
             and (jnp.issubdtype(out_dtype, jnp.integer) or out_dtype == jnp.bool_))
   if not scalar:
     ins = [x if _is_tile(x) else jnp.broadcast_to(x, tile_shape) for x in ins]
+  if name == "sign":  # Mosaic's rule asks the TPU generation (not known when exporting)
+    x = ins[0]
+    one, zero = jnp.ones((), x.dtype), jnp.zeros((), x.dtype)
+    return [jnp.where(x > zero, one, jnp.where(x < zero, -one, x))]
   out = eqn.primitive.bind(*ins, **eqn.params)
   return out if eqn.primitive.multiple_results else [out]
 

@@ -1,0 +1,229 @@
+"""The flex_tpu Pallas kernel, in interpret mode on this CPU, against the float64 reference.
+
+Values only: interpret mode runs the kernel's program per grid step with
+NumPy-like semantics; it says nothing about TPU speed. The export tests check
+the Pallas-to-Mosaic lowering (`tpu_custom_call`, no [T, S] tensor), not the
+TPU compiler's last passes.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.kernels import flex_tpu
+from jattn._src.masks.programmable import build_mods
+from jattn._src.masks.structural import MaskSpec
+from tests.reference import reference_attention
+
+B, T, S, N, K, H = 1, 200, 250, 2, 1, 128  # T, S not multiples of the tiles
+
+
+def _inputs(T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32, seed=0):
+  r = np.random.default_rng(seed)
+  q = r.normal(size=(B, T, N, H))
+  k = r.normal(size=(B, S, K, H))
+  v = r.normal(size=(B, S, K, D))
+  return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+
+
+def _run(q, k, v, mask_mod=None, score_mod=None, sinks=None, structure=MaskSpec(),
+         layout="BTNH", block_q=64, block_kv=128):
+  lay = Layout(layout)
+  Bq, Tq, Nq, Hq = (q.shape[lay.axis(c)] if c in lay.query else 1 for c in "BTNH")
+  Sk, Kk, Dv = (v.shape[lay.axis(c)] for c in "TNH")
+  mods = build_mods(mask_mod, score_mod, sinks, None, N=Nq)
+  m = Modifiers(mods=mods, structure=structure, scale=1 / np.sqrt(Hq))
+  p = flex_tpu.plan(B=Bq, T=Tq, S=Sk, N=Nq, K=Kk, H=Hq, D=Dv, dtype=q.dtype, modifiers=m,
+                    block_q=block_q, block_kv=block_kv, interpret=True)
+  assert not isinstance(p, str), p
+  return flex_tpu.run(p, q, k, v, m, lay)
+
+
+def _lse(q, k, allowed, bias=None, cap=None):
+  """float64 [B, N, T] log-sum-exp of the visible logits (-inf-free: rows with none skipped)."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  G = q.shape[2] // k.shape[2]
+  logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, G, axis=2)) / np.sqrt(q.shape[-1])
+  if cap is not None:
+    logits = cap * np.tanh(logits / cap)
+  if bias is not None:
+    logits = logits + bias
+  logits = np.where(allowed, logits, -np.inf)
+  mx = logits.max(-1, keepdims=True)
+  mx = np.where(np.isfinite(mx), mx, 0)
+  total = np.exp(logits - mx).sum(-1, keepdims=True)
+  return (mx + np.log(np.where(total > 0, total, 1.0)))[..., 0]
+
+
+def _grid():
+  return np.arange(T)[:, None], np.arange(S)[None, :]
+
+
+def test_causal_mask_mod_matches_reference_values_and_lse():
+  q, k, v = _inputs()
+  out, weights, lse = _run(q, k, v, mask_mod=jattn.mods.causal())
+  t, s = _grid()
+  allowed = np.broadcast_to(s <= t, (B, N, T, S))
+  np.testing.assert_allclose(out, reference_attention(q, k, v, mask=allowed), atol=2e-6)
+  np.testing.assert_allclose(lse, _lse(q, k, allowed), atol=2e-5)
+  assert weights is None and lse.dtype == jnp.float32 and lse.shape == (B, N, T)
+
+
+def test_hand_written_mask_grouped_heads_and_fully_masked_rows():
+  # N = 4 query heads on K = 2 kv heads; rows t < 5 see no key: zeros
+  q, k, v = _inputs(N=4, K=2)
+  mask = lambda b, n, t, s: ((t - s) % 3 != 1) & (t >= 5) & (s <= t + n)
+  out, _, lse = _run(q, k, v, mask_mod=mask)
+  t, s = _grid()
+  n = np.arange(4)[:, None, None]
+  allowed = np.broadcast_to(((t - s) % 3 != 1) & (t >= 5) & (s <= t + n), (B, 4, T, S))
+  np.testing.assert_allclose(out, reference_attention(q, k, v, mask=allowed), atol=2e-6)
+  assert np.all(np.asarray(out)[:, :5] == 0)
+  np.testing.assert_allclose(np.asarray(lse)[:, :, 5:], _lse(q, k, allowed)[:, :, 5:], atol=2e-5)
+
+
+def test_alibi_slopes_from_smem_and_prefix_lm_lengths():
+  q, k, v = _inputs(N=4, K=2)
+  slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+  prefix = jnp.asarray([37], jnp.int32)
+  out, _, lse = _run(q, k, v, mask_mod=jattn.mods.prefix_lm(prefix),
+                     score_mod=jattn.mods.alibi(slopes))
+  t, s = _grid()
+  bias = np.asarray(slopes, np.float64)[None, :, None, None] * (s - t)[None, None]
+  allowed = np.broadcast_to((s <= t) | (s < 37), (B, 4, T, S))
+  np.testing.assert_allclose(out, reference_attention(q, k, v, bias, allowed), atol=2e-6)
+  np.testing.assert_allclose(lse, _lse(q, k, allowed, bias=bias), atol=2e-5)
+
+
+def test_traced_soft_cap_chunks_sinks_and_bfloat16():
+  q, k, v = _inputs(dtype=jnp.bfloat16)
+  cap, sinks = 2.0, jnp.asarray([0.5, -1.0], jnp.float32)
+
+  @jax.jit
+  def f(q, k, v, cap):  # the cap is a tracer: it reaches the kernel through SMEM
+    return _run(q, k, v, mask_mod=jattn.mods.chunked(64), score_mod=jattn.mods.soft_cap(cap),
+                sinks=sinks)
+
+  out, _, lse = f(q, k, v, jnp.float32(cap))
+  t, s = _grid()
+  allowed = np.broadcast_to(t // 64 == s // 64, (B, N, T, S))
+  ref_lse = np.logaddexp(_lse(q, k, allowed, cap=cap), np.asarray(sinks)[None, :, None])
+  # softmax with the sink as one more key of no value, in float64
+  qf, kf, vf = (np.asarray(x, np.float64) for x in (q, k, v))
+  logits = cap * np.tanh(np.einsum("btnh,bsnh->bnts", qf, np.repeat(kf, N, 2)) / np.sqrt(H) / cap)
+  w = np.where(allowed, np.exp(logits - ref_lse[..., None]), 0)
+  ref = np.einsum("bnts,bsnd->btnd", w, np.repeat(vf, N, 2))
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)
+  np.testing.assert_allclose(lse, ref_lse, atol=2e-2)
+
+
+def test_head_sizes_layouts_and_structure():
+  # H = 64 != D = 192 (not multiples of 128), BNTH layout, is_causal and a window
+  q, k, v = _inputs(H=64, D=192)
+  q, k, v = (jnp.einsum("btnh->bnth", x) for x in (q, k, v))
+  out, _, _ = _run(q, k, v, layout="BNTH",
+                   structure=MaskSpec(is_causal=True, local_window=(30, 0)))
+  t, s = _grid()
+  allowed = np.broadcast_to((s <= t) & (s >= t - 30), (B, N, T, S))
+  qb, kb, vb = (np.einsum("bnth->btnh", x) for x in (q, k, v))
+  np.testing.assert_allclose(np.einsum("bnth->btnh", out),
+                             reference_attention(qb, kb, vb, mask=allowed), atol=2e-6)
+
+
+def test_unbatched_layout():
+  q, k, v = (x[0] for x in _inputs(T=24, S=40))
+  out, _, lse = _run(q, k, v, layout="TNH", mask_mod=jattn.mods.sliding_window(4, 4))
+  t, s = np.arange(24)[:, None], np.arange(40)[None]
+  allowed = np.broadcast_to(np.abs(t - s) <= 4, (N, 24, 40))
+  np.testing.assert_allclose(out, reference_attention(q, k, v, mask=allowed), atol=2e-6)
+  assert lse.shape == (N, 24)
+
+
+def test_gradients_match_dense_float64_reference():
+  q, k, v = _inputs(T=40, S=72)
+  slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+  sinks = jnp.asarray([0.3, -0.2], jnp.float32)
+
+  def loss(q, k, v, slopes, sinks):
+    out = _run(q, k, v, mask_mod=jattn.mods.causal(), score_mod=jattn.mods.alibi(slopes),
+               sinks=sinks, block_q=16)[0]
+    return jnp.sum(out * jnp.cos(out))
+
+  def dense(q, k, v, slopes, sinks):  # plain float64 jnp, written here
+    t, s = jnp.arange(40)[:, None], jnp.arange(72)[None]
+    logits = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, N, 2)) / np.sqrt(H)
+    logits = logits + slopes[None, :, None, None] * (s - t).astype(q.dtype)
+    logits = jnp.where(s <= t, logits, -jnp.inf)
+    full = jnp.concatenate([logits, jnp.broadcast_to(sinks[None, :, None, None],
+                                                     logits.shape[:3] + (1,))], -1)
+    w = jax.nn.softmax(full, -1)[..., :-1]
+    out = jnp.einsum("bnts,bsnd->btnd", w, jnp.repeat(v, N, 2))
+    return jnp.sum(out * jnp.cos(out))
+
+  args = (q, k, v, slopes, sinks)
+  got = jax.grad(loss, argnums=range(5))(*args)
+  with jax.enable_x64(True):
+    want = jax.grad(dense, argnums=range(5))(*(jnp.asarray(a, jnp.float64) for a in args))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mask_mod, score_mod, words", [
+    (lambda: jattn.mods.document(jnp.zeros((1, T), jnp.int32)), None, "query or key position"),
+    (None, lambda: jattn.mods.relative_bias(jnp.zeros((N, 9))), "query or key position"),
+    (lambda: (lambda b, n, t, s: jnp.arange(4)[t % 4] > 0), None, "not evaluated on a tile"),
+])
+def test_refused_with_a_reason(mask_mod, score_mod, words):
+  mods = build_mods(mask_mod and mask_mod(), score_mod and score_mod(), None, None, N=N)
+  p = flex_tpu.plan(B=B, T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32,
+                    modifiers=Modifiers(mods=mods))
+  assert isinstance(p, str) and words in p, p
+
+
+def test_refuses_bias_dropout_weights():
+  m = Modifiers(bias=jnp.zeros((1, 1, T, S)))
+  assert "bias" in flex_tpu.plan(B=B, T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32,
+                                 modifiers=m)
+  assert "weights" in flex_tpu.plan(B=B, T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32,
+                                    modifiers=Modifiers(), return_weights=True)
+
+
+def _export_text(mask_mod, score_mod, sinks, dtype=jnp.bfloat16, T=1024, S=2048):
+  q = jax.ShapeDtypeStruct((2, T, 4, 128), dtype)
+  k = jax.ShapeDtypeStruct((2, S, 2, 128), dtype)
+
+  def f(q, k, v):
+    m = Modifiers(mods=build_mods(mask_mod, score_mod, sinks, None, N=4), scale=0.1)
+    p = flex_tpu.plan(B=2, T=T, S=S, N=4, K=2, H=128, D=128, dtype=dtype, modifiers=m)
+    return flex_tpu.run(p, q, k, v, m, Layout("BTNH"))[0]
+
+  return jax.export.export(jax.jit(f), platforms=["tpu"])(q, k, k).mlir_module()
+
+
+@pytest.mark.parametrize("case", ["alibi", "softcap_sinks", "prefix_lm", "hand"])
+def test_export_for_tpu_is_one_mosaic_kernel_without_a_TS_tensor(case):
+  mask_mod, score_mod, sinks = {
+      "alibi": (jattn.mods.causal(), jattn.mods.alibi(jnp.ones(4)), None),
+      "softcap_sinks": (None, jattn.mods.soft_cap(jnp.float32(30.0)), jnp.zeros(4)),
+      "prefix_lm": (jattn.mods.prefix_lm(jnp.asarray([3, 500])), None, None),
+      "hand": (lambda b, n, t, s: ((t - s) % 3 != 1) & (s <= t + b), None, None),
+  }[case]
+  text = _export_text(mask_mod, score_mod, sinks)
+  assert text.count("tpu_custom_call") >= 1
+  assert not re.search(r"tensor<[^>]*\b1024x2048", text)
+
+
+def test_score_mod_alone_padded_keys_take_no_weight():
+  # no mask at all: only the kernel's padding mask hides keys 250..255 of the last tile
+  q, k, v = _inputs()
+  out, _, lse = _run(q, k, v, score_mod=lambda x, b, n, t, s: x * 0.5)
+  allowed = np.ones((B, N, T, S), bool)
+  np.testing.assert_allclose(out, reference_attention(q, k, v, scale=0.5 / np.sqrt(H)),
+                             atol=2e-6)
+  np.testing.assert_allclose(lse, _lse(q, k * 0.5, allowed), atol=2e-5)
