@@ -15,8 +15,10 @@ the padded keys masked. Positions t, s are iota tiles; b and n the program's
 indices; the mods' captured arrays are in SMEM (scalar prefetch), see
 `tile_mods`. Sinks are applied to (out, lse) after the kernel, as blockwise does.
 
-Backward: a custom VJP whose backward is jattn's blockwise backward (pure JAX,
-recomputing each block from out and lse); the Pallas backward is not written yet.
+Backward: a custom VJP with two Pallas kernels recomputing the weights from
+out and lse (`backward`); gradients into sinks by XLA from (out, lse, d out);
+gradients into score_mod's captured float arrays not in the kernels yet (the
+blockwise backward computes them, in pure JAX, only when there are any).
 """
 
 from __future__ import annotations
@@ -164,23 +166,34 @@ def _forward(plan_, layout, query, key, value, modifiers):
 def _backward(plan_, layout, residuals, cotangents):
   d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
   query, key, value, modifiers, out, lse = residuals
-  q, k, v, o, d_o = (_with_batch(x, layout) for x in (query, key, value, out, d_out))
-  blayout = _batched(layout)
-  block_sizes = BlockSizes(plan_.block_q, plan_.block_kv)
-  d_q, d_k, d_v, _, d_consts = _blockwise.backward_with_score_grads(
-      q, k, v, modifiers, blayout, 0, 0, block_sizes, o, lse, d_o)
   mods = modifiers.mods
+  d_q, d_k, d_v = backward(plan_, layout, query, key, value, mods, out, lse, d_out)
   d_mods = None
   if mods is not None:
+    o, d_o = _with_batch(out, layout), _with_batch(d_out, layout)
+    blayout = _batched(layout)
     d_sinks = None if mods.sinks is None else sinks_grad(
         o, lse, d_o, mods.sinks, blayout.out).astype(mods.sinks.dtype)
+    d_consts = _score_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out)
     d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
-  d_q, d_k, d_v = (_without_batch(x, layout) for x in (d_q, d_k, d_v))
   return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
           modifiers.gradients(bias=None, mods=d_mods))
 
 
 _attention.defvjp(_forward, _backward)
+
+
+def _score_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out):
+  """Gradients into the float arrays score_mod captured: not in the Pallas kernels yet,
+  computed by jattn's blockwise backward (pure JAX) when there are any, else ()."""
+  mods = modifiers.mods
+  floats = [jnp.issubdtype(c.dtype, jnp.floating) for c in mods.score_consts]
+  if mods.score_jaxpr is None or not any(floats):
+    return (None,) * len(mods.score_consts)
+  q, k, v, o, d_o = (_with_batch(x, layout) for x in (query, key, value, out, d_out))
+  block_sizes = BlockSizes(plan_.block_q, plan_.block_kv)
+  return _blockwise.backward_with_score_grads(
+      q, k, v, modifiers, _batched(layout), 0, 0, block_sizes, o, lse, d_o)[4]
 
 
 def _batched(layout: Layout) -> Layout:
@@ -195,60 +208,32 @@ def _without_batch(x, layout):
   return x if layout.has_batch else x[0]
 
 
-# ---------------------------------------------------------------- forward kernel
+# ---------------------------------------------------------------- shared pieces
 
 
-def forward(plan_: Plan, layout: Layout, query, key, value, mods):
-  """-> (out in the query's layout with D, lse float32 [B, N, T]); no sinks."""
-  p = plan_
-  lay = _batched(layout)
-  # [B, N, T, H], [B, K, S, H], [B, K, S, D]: the tile's last two axes are (rows, features)
-  q = jnp.einsum(f"{lay.query}->BNTH", _with_batch(query, layout))
-  k = jnp.einsum(f"{lay.key}->BKSH", _with_batch(key, layout))
-  v = jnp.einsum(f"{lay.value}->BKSD", _with_batch(value, layout))
-  Tp, Sp = p.T_padded, p.S_padded
-  q = jnp.pad(q, ((0, 0), (0, 0), (0, Tp - p.T), (0, 0)))
-  k = jnp.pad(k, ((0, 0), (0, 0), (0, Sp - p.S), (0, 0)))
-  v = jnp.pad(v, ((0, 0), (0, 0), (0, Sp - p.S), (0, 0)))
-  mask_consts = () if mods is None or mods.mask_jaxpr is None else tuple(mods.mask_consts)
-  score_consts = () if mods is None or mods.score_jaxpr is None else tuple(mods.score_consts)
-  smem = [_to_smem(c) for c in mask_consts + score_consts]
-  kernel = functools.partial(
-      _kernel, p=p,
-      mask_jaxpr=None if mods is None else mods.mask_jaxpr,
-      score_jaxpr=None if mods is None else mods.score_jaxpr,
-      mask_meta=tile_mods.consts_meta(mask_consts),
-      score_meta=tile_mods.consts_meta(score_consts))
-  G = p.N // p.K
-  bq, bk = p.block_q, p.block_kv
-  grid = (p.B, p.N, Tp // bq, Sp // bk)
-  in_specs = [
-      pl.BlockSpec((None, None, bq, p.H), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, bk, p.H), lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)),
-      pl.BlockSpec((None, None, bk, p.D), lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)),
-  ]
-  out_specs = [
-      pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, bq, _LANES), lambda b, n, i, j, *_: (b, n, i, 0)),
-  ]
-  out, lse = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(smem), grid=grid, in_specs=in_specs, out_specs=out_specs,
-          scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
-                          pltpu.VMEM((bq, _LANES), jnp.float32),
-                          pltpu.VMEM((bq, p.D), jnp.float32)]),
-      out_shape=[jax.ShapeDtypeStruct((p.B, p.N, Tp, p.D), query.dtype),
-                 jax.ShapeDtypeStruct((p.B, p.N, Tp, _LANES), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=p.interpret,
-      name="jattn_flex_tpu_fwd",
-  )(*smem, q, k, v)
-  out = out[:, :, :p.T]
-  lse = lse[:, :, :p.T, 0]
-  out = jnp.einsum(f"BNTD->{lay.out}", out)
-  return _without_batch(out, layout), lse
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TileMods:
+  """The mods as the kernels see them: jaxprs (static) and their consts' shapes and dtypes."""
+
+  mask_jaxpr: object
+  score_jaxpr: object
+  mask_meta: tuple
+  score_meta: tuple
+
+  @property
+  def count(self) -> int:
+    return len(self.mask_meta) + len(self.score_meta)
+
+
+def _tile_mods(mods):
+  """(the static `_TileMods`, the consts as flat 32-bit arrays for SMEM)."""
+  mask_jaxpr = None if mods is None else mods.mask_jaxpr
+  score_jaxpr = None if mods is None else mods.score_jaxpr
+  mask_consts = () if mask_jaxpr is None else tuple(mods.mask_consts)
+  score_consts = () if score_jaxpr is None else tuple(mods.score_consts)
+  tm = _TileMods(mask_jaxpr, score_jaxpr, tile_mods.consts_meta(mask_consts),
+                 tile_mods.consts_meta(score_consts))
+  return tm, [_to_smem(c) for c in mask_consts + score_consts]
 
 
 def _to_smem(c):
@@ -266,31 +251,31 @@ def _reader(refs, meta):
   return read
 
 
-def _kernel(*refs, p: Plan, mask_jaxpr, score_jaxpr, mask_meta, score_meta):
-  n_mask, n_score = len(mask_meta), len(score_meta)
-  mask_refs, score_refs = refs[:n_mask], refs[n_mask:n_mask + n_score]
-  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[n_mask + n_score:]
-  b, n, i, j = (pl.program_id(a) for a in range(4))
+def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vjp=False):
+  """One tile's logits after scale, score_mod and every mask.
+
+  -> (s float32 [bq, bk] with LARGE_NEGATIVE where masked, keep bool [bq, bk]
+  or None when nothing is masked, d_score: ds -> ds through score_mod (with_vjp)).
+  """
   bq, bk = p.block_q, p.block_kv
   tile = (bq, bk)
-
-  @pl.when(j == 0)
-  def _init():
-    m_sc[...] = jnp.full(m_sc.shape, LARGE_NEGATIVE, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
-
-  q = q_ref[...]
-  k = k_ref[...]
+  mask_refs, score_refs = smem_refs[:len(tm.mask_meta)], smem_refs[len(tm.mask_meta):]
   # [bq, bk] = q k^T, float32 on the MXU
   s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   s = s * p.scale
   t_pos = i * bq + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
   s_pos = j * bk + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
-  if score_jaxpr is not None:
-    s = tile_mods.evaluate(score_jaxpr, score_meta, _reader(score_refs, score_meta),
-                           [s, b, n, t_pos, s_pos], tile)[0]
-    s = jnp.broadcast_to(s, tile).astype(jnp.float32)
+  d_score = lambda ds: ds
+  if tm.score_jaxpr is not None:
+    def score(x):
+      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, _reader(score_refs, tm.score_meta),
+                             [x, b, n, t_pos, s_pos], tile)[0]
+      return jnp.broadcast_to(y, tile).astype(jnp.float32)
+    if with_vjp:
+      s, vjp = jax.vjp(score, s)
+      d_score = lambda ds: vjp(ds)[0]
+    else:
+      s = score(s)
   keep = None
 
   def both(a, c):
@@ -303,24 +288,99 @@ def _kernel(*refs, p: Plan, mask_jaxpr, score_jaxpr, mask_meta, score_meta):
   if p.window is not None:
     left, right = p.window
     keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
-  if mask_jaxpr is not None:
-    mm = tile_mods.evaluate(mask_jaxpr, mask_meta, _reader(mask_refs, mask_meta),
+  if tm.mask_jaxpr is not None:
+    mm = tile_mods.evaluate(tm.mask_jaxpr, tm.mask_meta, _reader(mask_refs, tm.mask_meta),
                             [b, n, t_pos, s_pos], tile)[0]
     keep = both(keep, jnp.broadcast_to(mm, tile))
   if keep is not None:
     s = jnp.where(keep, s, LARGE_NEGATIVE)
+  return s, keep, d_score
 
+
+def _to_tiles(p: Plan, layout: Layout, query, key, value):
+  """-> q [B, N, Tp, H], k [B, K, Sp, H], v [B, K, Sp, D], padded with zeros."""
+  lay = _batched(layout)
+  q = jnp.einsum(f"{lay.query}->BNTH", _with_batch(query, layout))
+  k = jnp.einsum(f"{lay.key}->BKSH", _with_batch(key, layout))
+  v = jnp.einsum(f"{lay.value}->BKSD", _with_batch(value, layout))
+  return _pad_rows(q, p.T_padded), _pad_rows(k, p.S_padded), _pad_rows(v, p.S_padded)
+
+
+def _pad_rows(x, size):
+  return jnp.pad(x, ((0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)))
+
+
+def _lanes(x, width: int):
+  """[rows, 128] lane-replicated -> [rows, width]."""
+  reps = -(-width // _LANES)
+  y = jnp.tile(x, (1, reps)) if reps > 1 else x
+  return y if width == y.shape[1] else y[:, :width]
+
+
+_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+
+
+# ---------------------------------------------------------------- forward kernel
+
+
+def forward(plan_: Plan, layout: Layout, query, key, value, mods):
+  """-> (out in the query's layout with D, lse float32 [B, N, T]); no sinks."""
+  p = plan_
+  q, k, v = _to_tiles(p, layout, query, key, value)
+  tm, smem = _tile_mods(mods)
+  G = p.N // p.K
+  bq, bk = p.block_q, p.block_kv
+  Tp, Sp = p.T_padded, p.S_padded
+  in_specs = [
+      pl.BlockSpec((None, None, bq, p.H), lambda b, n, i, j, *_: (b, n, i, 0)),
+      pl.BlockSpec((None, None, bk, p.H), lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)),
+      pl.BlockSpec((None, None, bk, p.D), lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)),
+  ]
+  out_specs = [
+      pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
+      pl.BlockSpec((None, None, bq, _LANES), lambda b, n, i, j, *_: (b, n, i, 0)),
+  ]
+  out, lse = pl.pallas_call(
+      functools.partial(_forward_kernel, p=p, tm=tm),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(smem), grid=(p.B, p.N, Tp // bq, Sp // bk),
+          in_specs=in_specs, out_specs=out_specs,
+          scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
+                          pltpu.VMEM((bq, _LANES), jnp.float32),
+                          pltpu.VMEM((bq, p.D), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct((p.B, p.N, Tp, p.D), query.dtype),
+                 jax.ShapeDtypeStruct((p.B, p.N, Tp, _LANES), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+      interpret=p.interpret,
+      name="jattn_flex_tpu_fwd",
+  )(*smem, q, k, v)
+  out = jnp.einsum(f"BNTD->{_batched(layout).out}", out[:, :, :p.T])
+  return _without_batch(out, layout), lse[:, :, :p.T, 0]
+
+
+def _forward_kernel(*refs, p: Plan, tm: _TileMods):
+  smem_refs = refs[:tm.count]
+  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[tm.count:]
+  b, n, i, j = (pl.program_id(a) for a in range(4))
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, LARGE_NEGATIVE, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  s, _, _ = _tile_logits(p, tm, smem_refs, b, n, i, j, q_ref[...], k_ref[...])
   m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 128]
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
   # A row that has seen no visible key keeps m = LARGE_NEGATIVE: shift it by 0
   # instead, so that its masked logits give exp(LARGE_NEGATIVE) = 0, not 1.
   shift = jnp.where(m_next > LARGE_NEGATIVE, m_next, 0.0)
-  p_ = jnp.exp(s - _lanes(shift, bk))  # [bq, bk]
+  probs = jnp.exp(s - _lanes(shift, p.block_kv))  # [bq, bk]
   alpha = jnp.exp(m_prev - m_next)  # [bq, 128]
-  l_sc[...] = alpha * l_prev + jnp.sum(p_, axis=1, keepdims=True)
+  l_sc[...] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
   m_sc[...] = m_next
   v = v_ref[...]
-  pv = jax.lax.dot_general(p_.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+  pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)  # [bq, D]
   acc_sc[...] = acc_sc[...] * _lanes(alpha, p.D) + pv
 
@@ -333,8 +393,135 @@ def _kernel(*refs, p: Plan, mask_jaxpr, score_jaxpr, mask_meta, score_meta):
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
 
 
-def _lanes(x, width: int):
-  """[rows, 128] lane-replicated -> [rows, width]."""
-  reps = -(-width // _LANES)
-  y = jnp.tile(x, (1, reps)) if reps > 1 else x
-  return y if width == y.shape[1] else y[:, :width]
+# ---------------------------------------------------------------- backward kernels
+
+
+def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_out):
+  """Gradients into query, key, value (their layouts and dtypes) from the final out and
+  lse [B, N, T] (sinks included): the weights are recomputed tile by tile.
+
+  Two kernels: dq on the grid (B, N, T / bq, S / bk), keys sequential; dk and dv on
+  (B, K, S / bk, G T / bq), the G query heads of kv head k and their query tiles
+  sequential, so that dk and dv are summed over the group in VMEM, never by atomics.
+  """
+  p = plan_
+  q, k, v = _to_tiles(p, layout, query, key, value)
+  lay = _batched(layout)
+  o = jnp.einsum(f"{lay.out}->BNTD", _with_batch(out, layout)).astype(jnp.float32)
+  do = jnp.einsum(f"{lay.out}->BNTD", _with_batch(d_out, layout))
+  # delta [B, N, T] = sum_D dO * O: the row term of d softmax
+  delta = jnp.sum(do.astype(jnp.float32) * o, axis=-1)
+  do = _pad_rows(do.astype(query.dtype), p.T_padded)
+  rows = lambda x: _pad_rows(jnp.broadcast_to(x[..., None], x.shape + (_LANES,)), p.T_padded)
+  lse_l, delta_l = rows(lse.astype(jnp.float32)), rows(delta)  # [B, N, Tp, 128]
+  tm, smem = _tile_mods(mods)
+  G = p.N // p.K
+  bq, bk = p.block_q, p.block_kv
+  Tp, Sp = p.T_padded, p.S_padded
+  nq, nk = Tp // bq, Sp // bk
+  row = lambda b, n, i, j, *_: (b, n, i, 0)
+  kv = lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, p=p, tm=tm),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(smem), grid=(p.B, p.N, nq, nk),
+          in_specs=[pl.BlockSpec((None, None, bq, p.H), row),
+                    pl.BlockSpec((None, None, bk, p.H), kv),
+                    pl.BlockSpec((None, None, bk, p.D), kv),
+                    pl.BlockSpec((None, None, bq, p.D), row),
+                    pl.BlockSpec((None, None, bq, _LANES), row),
+                    pl.BlockSpec((None, None, bq, _LANES), row)],
+          out_specs=pl.BlockSpec((None, None, bq, p.H), row),
+          scratch_shapes=[pltpu.VMEM((bq, p.H), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((p.B, p.N, Tp, p.H), jnp.float32),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+      interpret=p.interpret,
+      name="jattn_flex_tpu_dq",
+  )(*smem, q, k, v, do, lse_l, delta_l)
+
+  # grid (b, kv head c, kv tile j, r = g nq + i): query head n = c G + g, query tile i
+  qrow = lambda b, c, j, r, *_: (b, c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq), 0)
+  kvrow = lambda b, c, j, r, *_: (b, c, j, 0)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, p=p, tm=tm, nq=nq, G=G),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(smem), grid=(p.B, p.K, nk, G * nq),
+          in_specs=[pl.BlockSpec((None, None, bq, p.H), qrow),
+                    pl.BlockSpec((None, None, bk, p.H), kvrow),
+                    pl.BlockSpec((None, None, bk, p.D), kvrow),
+                    pl.BlockSpec((None, None, bq, p.D), qrow),
+                    pl.BlockSpec((None, None, bq, _LANES), qrow),
+                    pl.BlockSpec((None, None, bq, _LANES), qrow)],
+          out_specs=[pl.BlockSpec((None, None, bk, p.H), kvrow),
+                     pl.BlockSpec((None, None, bk, p.D), kvrow)],
+          scratch_shapes=[pltpu.VMEM((bk, p.H), jnp.float32),
+                          pltpu.VMEM((bk, p.D), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct((p.B, p.K, Sp, p.H), jnp.float32),
+                 jax.ShapeDtypeStruct((p.B, p.K, Sp, p.D), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+      interpret=p.interpret,
+      name="jattn_flex_tpu_dkv",
+  )(*smem, q, k, v, do, lse_l, delta_l)
+  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T])
+  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S])
+  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S])
+  return tuple(_without_batch(x, layout) for x in (dq, dk, dv))
+
+
+def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta):
+  """-> (probs [bq, bk] float32, d logits before score_mod [bq, bk] float32)."""
+  s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True)
+  probs = jnp.exp(s - _lanes(lse, p.block_kv))
+  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
+    probs = jnp.where(keep, probs, 0.0)
+  # dP [bq, bk] = dO v^T
+  dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  ds = probs * (dp - _lanes(delta, p.block_kv))
+  return probs, d_score(ds) * p.scale
+
+
+def _dq_kernel(*refs, p: Plan, tm: _TileMods):
+  smem_refs = refs[:tm.count]
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = refs[tm.count:]
+  b, n, i, j = (pl.program_id(a) for a in range(4))
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  k = k_ref[...]
+  _, ds = _tile_grads(p, tm, smem_refs, b, n, i, j, q_ref[...], k, v_ref[...], do_ref[...],
+                      lse_ref[...], delta_ref[...])
+  # dQ [bq, H] += dS k
+  dq_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    dq_ref[...] = dq_sc[...]
+
+
+def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int):
+  smem_refs = refs[:tm.count]
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs[tm.count:]
+  b, c, j, r = (pl.program_id(a) for a in range(4))
+  n, i = c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq)
+
+  @pl.when(r == 0)
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  q, do = q_ref[...], do_ref[...]
+  probs, ds = _tile_grads(p, tm, smem_refs, b, n, i, j, q, k_ref[...], v_ref[...], do,
+                          lse_ref[...], delta_ref[...])
+  # dV [bk, D] += P^T dO ; dK [bk, H] += dS^T q
+  dv_sc[...] += jax.lax.dot_general(probs.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+  dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+
+  @pl.when(r == pl.num_programs(3) - 1)
+  def _finish():
+    dk_ref[...] = dk_sc[...]
+    dv_ref[...] = dv_sc[...]
