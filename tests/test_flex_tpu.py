@@ -279,3 +279,36 @@ def test_export_of_the_gradient_has_the_backward_kernels():
     assert name in text, name
   assert text.count("tpu_custom_call") >= 3
   assert not re.search(r"tensor<[^>]*\b512x1024", text)
+
+
+def test_gradients_into_captured_arrays_cap_and_per_batch_head_table():
+  # score_mod reads a traced cap (0-d) and a [B, N] table at (b, n): their gradients come
+  # from the dq kernel's per-program partials, summed outside; B = 2, three kv tiles,
+  # T = 20 padded to 24: the padded query rows' logits reach 0.5 * 300 (exp overflows)
+  Bg, Tg, Sg = 2, 20, 300
+  r = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(r.normal(size=(Bg, n_, N, H)), jnp.float32) for n_ in (Tg, Sg, Sg))
+  table = jnp.asarray([[0.5, -0.02], [0.03, 0.005]], jnp.float32)
+
+  def mod(cap, table):
+    return lambda x, b, n, t, s: cap * jnp.tanh(x / cap) + table[b, n] * (s - t).astype(x.dtype)
+
+  def loss(q, k, v, cap, table):
+    out = _run(q, k, v, score_mod=mod(cap, table), block_q=8)[0]
+    return jnp.sum(out * jnp.cos(out))
+
+  def dense(q, k, v, cap, table):  # plain float64 jnp, written here
+    t, s = jnp.arange(Tg)[:, None], jnp.arange(Sg)[None]
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    logits = cap * jnp.tanh(logits / cap) + table[:, :, None, None] * (s - t).astype(q.dtype)
+    out = jnp.einsum("bnts,bsnd->btnd", jax.nn.softmax(logits, -1), v)
+    return jnp.sum(out * jnp.cos(out))
+
+  args = (q, k, v, jnp.float32(2.5), table)
+  got = jax.jit(jax.grad(loss, argnums=range(5)))(*args)
+  with jax.enable_x64(True):
+    want = jax.grad(dense, argnums=range(5))(*(jnp.asarray(a, jnp.float64) for a in args))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=1e-4)
+  again = jax.jit(jax.grad(loss, argnums=(3, 4)))(*args)  # deterministic: the same bits
+  assert np.array_equal(again[0], got[3]) and np.array_equal(again[1], got[4])

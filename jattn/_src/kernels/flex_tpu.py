@@ -17,8 +17,8 @@ indices; the mods' captured arrays are in SMEM (scalar prefetch), see
 
 Backward: a custom VJP with two Pallas kernels recomputing the weights from
 out and lse (`backward`); gradients into sinks by XLA from (out, lse, d out);
-gradients into score_mod's captured float arrays not in the kernels yet (the
-blockwise backward computes them, in pure JAX, only when there are any).
+gradients into score_mod's captured float arrays: the dq kernel writes, per
+program, the gradient of each SMEM read and the read's index, and XLA sums them.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ from jax.experimental.pallas import tpu as pltpu
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.core.softmax import LARGE_NEGATIVE
-from jattn._src.impl import blockwise_loop as _blockwise
-from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.kernels import tile_mods
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
@@ -63,6 +61,9 @@ class Plan:
   has_mask_mod: bool
   has_score_mod: bool
   interpret: bool
+  # const index of each read of a floating array captured by score_mod, in the order
+  # the tile evaluation reads them: the backward returns one gradient per read
+  score_reads: tuple = ()
 
   @property
   def T_padded(self) -> int:
@@ -115,6 +116,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     return "a traced scale: the kernel takes a Python number"
   mods = m.mods
   has_mask = has_score = False
+  score_reads = ()
   if mods is not None:
     if mods.block_mask is not None and not mods.has_mask:
       return "a block_mask without its mask_mod"
@@ -124,9 +126,14 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
       if jaxpr is None:
         continue
       reason = tile_mods.check_consts(consts) or tile_mods.check(
-          jaxpr, tile_mods.consts_meta(consts), 4, kind == "score_mod")
-      if reason:
+          jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
+      if isinstance(reason, str):
         return f"{kind}: {reason}"
+      if kind == "score_mod":
+        score_reads = reason
+  if len(score_reads) > _LANES:
+    return (f"score_mod reads captured float arrays {len(score_reads)} times per entry "
+            f"(the backward returns at most {_LANES} read gradients per tile)")
     has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
   block_q = min(block_q or 128, _round_up(T, 8))
   block_kv = min(block_kv or 512, _round_up(S, _LANES))
@@ -135,7 +142,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
             "multiple of 8 and block_kv of 128")
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
-              window, has_mask, has_score, bool(interpret))
+              window, has_mask, has_score, bool(interpret), score_reads)
 
 
 def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
@@ -167,33 +174,19 @@ def _backward(plan_, layout, residuals, cotangents):
   d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
   query, key, value, modifiers, out, lse = residuals
   mods = modifiers.mods
-  d_q, d_k, d_v = backward(plan_, layout, query, key, value, mods, out, lse, d_out)
+  d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out)
   d_mods = None
   if mods is not None:
     o, d_o = _with_batch(out, layout), _with_batch(d_out, layout)
     blayout = _batched(layout)
     d_sinks = None if mods.sinks is None else sinks_grad(
         o, lse, d_o, mods.sinks, blayout.out).astype(mods.sinks.dtype)
-    d_consts = _score_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out)
     d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
   return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
           modifiers.gradients(bias=None, mods=d_mods))
 
 
 _attention.defvjp(_forward, _backward)
-
-
-def _score_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out):
-  """Gradients into the float arrays score_mod captured: not in the Pallas kernels yet,
-  computed by jattn's blockwise backward (pure JAX) when there are any, else ()."""
-  mods = modifiers.mods
-  floats = [jnp.issubdtype(c.dtype, jnp.floating) for c in mods.score_consts]
-  if mods.score_jaxpr is None or not any(floats):
-    return (None,) * len(mods.score_consts)
-  q, k, v, o, d_o = (_with_batch(x, layout) for x in (query, key, value, out, d_out))
-  block_sizes = BlockSizes(plan_.block_q, plan_.block_kv)
-  return _blockwise.backward_with_score_grads(
-      q, k, v, modifiers, _batched(layout), 0, 0, block_sizes, o, lse, d_o)[4]
 
 
 def _batched(layout: Layout) -> Layout:
@@ -251,11 +244,14 @@ def _reader(refs, meta):
   return read
 
 
-def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vjp=False):
+def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vjp=False,
+                 read_grads=False):
   """One tile's logits after scale, score_mod and every mask.
 
   -> (s float32 [bq, bk] with LARGE_NEGATIVE where masked, keep bool [bq, bk]
-  or None when nothing is masked, d_score: ds -> ds through score_mod (with_vjp)).
+  or None when nothing is masked, d_score). with_vjp: d_score(ds) -> ds through
+  score_mod; read_grads also: -> (that, (d every float read: scalars), (its flat
+  index into its array: int32 scalars)), in the order of `Plan.score_reads`.
   """
   bq, bk = p.block_q, p.block_kv
   tile = (bq, bk)
@@ -267,15 +263,31 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
   s_pos = j * bk + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
   d_score = lambda ds: ds
   if tm.score_jaxpr is not None:
-    def score(x):
-      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, _reader(score_refs, tm.score_meta),
-                             [x, b, n, t_pos, s_pos], tile)[0]
-      return jnp.broadcast_to(y, tile).astype(jnp.float32)
+    def score(x, *eps):
+      # each float read plus its own zero eps: d loss / d eps = the read's gradient
+      base, flats = _reader(score_refs, tm.score_meta), []
+
+      def read(ci, flat):
+        value = base(ci, flat)
+        if read_grads and jnp.issubdtype(tm.score_meta[ci][1], jnp.floating):
+          value = value + eps[len(flats)]
+          flats.append(flat)
+        return value
+
+      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
+                             tile)[0]
+      return jnp.broadcast_to(y, tile).astype(jnp.float32), tuple(flats)
     if with_vjp:
-      s, vjp = jax.vjp(score, s)
-      d_score = lambda ds: vjp(ds)[0]
+      eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads) if read_grads else ()
+      s, vjp, flats = jax.vjp(score, s, *eps, has_aux=True)
+      if read_grads:
+        def d_score(ds):
+          grads = vjp(ds)
+          return grads[0], grads[1:], flats
+      else:
+        d_score = lambda ds: vjp(ds)[0]
     else:
-      s = score(s)
+      s = score(s)[0]
   keep = None
 
   def both(a, c):
@@ -283,6 +295,8 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
 
   if p.S_padded != p.S:
     keep = both(keep, s_pos < p.S)
+  if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
+    keep = both(keep, t_pos < p.T)
   if p.is_causal:
     keep = both(keep, s_pos <= t_pos)
   if p.window is not None:
@@ -421,7 +435,14 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   nq, nk = Tp // bq, Sp // bk
   row = lambda b, n, i, j, *_: (b, n, i, 0)
   kv = lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)
-  dq = pl.pallas_call(
+  dq_out_specs = [pl.BlockSpec((None, None, bq, p.H), row)]
+  dq_out_shape = [jax.ShapeDtypeStruct((p.B, p.N, Tp, p.H), jnp.float32)]
+  if p.score_reads:  # per program (b, n, i, j): an [8, 128] tile of read gradients, indices
+    tile8 = pl.BlockSpec((None, None, None, 8, _LANES), lambda b, n, i, j, *_: (b, n, i, j, 0))
+    dq_out_specs += [tile8, tile8]
+    dq_out_shape += [jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.float32),
+                     jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.int32)]
+  dq, *read_parts = pl.pallas_call(
       functools.partial(_dq_kernel, p=p, tm=tm),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(smem), grid=(p.B, p.N, nq, nk),
@@ -431,9 +452,9 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
                     pl.BlockSpec((None, None, bq, p.D), row),
                     pl.BlockSpec((None, None, bq, _LANES), row),
                     pl.BlockSpec((None, None, bq, _LANES), row)],
-          out_specs=pl.BlockSpec((None, None, bq, p.H), row),
+          out_specs=dq_out_specs,
           scratch_shapes=[pltpu.VMEM((bq, p.H), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct((p.B, p.N, Tp, p.H), jnp.float32),
+      out_shape=dq_out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_dq",
@@ -465,24 +486,57 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T])
   dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S])
   dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S])
-  return tuple(_without_batch(x, layout) for x in (dq, dk, dv))
+  grads = tuple(_without_batch(x, layout) for x in (dq, dk, dv))
+  return grads + (_consts_grads(p, tm, read_parts, nq, nk),)
 
 
-def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta):
-  """-> (probs [bq, bk] float32, d logits before score_mod [bq, bk] float32)."""
-  s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True)
+def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple:
+  """float32 gradient of each float array score_mod captured (None for the others),
+  from the dq kernel's per-program read gradients: summed by XLA in a fixed order
+  (a one-hot contraction, no scatter, no atomics), so the same bits every run."""
+  grads = [None] * len(tm.score_meta)
+  if not p.score_reads:
+    return tuple(grads)
+  R = len(p.score_reads)
+  d_reads, flats = (x.reshape(p.B, p.N, nq, nk, 8, _LANES)[..., 0, :R] for x in read_parts)
+  d_reads = jnp.sum(d_reads, axis=(2, 3))  # [B, N, R]
+  flats = flats[:, :, 0, 0]  # [B, N, R]: a read's index depends on b and n alone
+  for ci, (shape, dtype) in enumerate(tm.score_meta):
+    if not jnp.issubdtype(dtype, jnp.floating):
+      continue
+    size = int(np.prod(shape, dtype=np.int64))
+    mine = np.asarray([r == ci for r in p.score_reads])  # [R]
+    # [B, N, R, size] one-hot of each read's flat index
+    onehot = (flats[..., None] == jnp.arange(size, dtype=jnp.int32)) & mine[:, None]
+    grads[ci] = jnp.einsum("bnr,bnrf->f", d_reads, onehot.astype(jnp.float32)).reshape(shape)
+  return tuple(grads)
+
+
+def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grads=False):
+  """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32); read_grads: also the
+  gradients of the float reads of score_mod's arrays and their flat indices."""
+  s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
+                                  read_grads=read_grads)
   probs = jnp.exp(s - _lanes(lse, p.block_kv))
   if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
     probs = jnp.where(keep, probs, 0.0)
   # dP [bq, bk] = dO v^T
   dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   ds = probs * (dp - _lanes(delta, p.block_kv))
+  if read_grads:
+    d_x, d_reads, flats = d_score(ds)
+    return probs, d_x * p.scale, d_reads, flats
   return probs, d_score(ds) * p.scale
 
 
 def _dq_kernel(*refs, p: Plan, tm: _TileMods):
   smem_refs = refs[:tm.count]
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = refs[tm.count:]
+  reads = bool(p.score_reads)
+  if reads:  # one [8, 128] tile per program: lane r holds read r's gradient / flat index
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dr_ref, fr_ref,
+     dq_sc) = refs[tm.count:]
+  else:
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = refs[tm.count:]
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
@@ -490,8 +544,18 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods):
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
   k = k_ref[...]
-  _, ds = _tile_grads(p, tm, smem_refs, b, n, i, j, q_ref[...], k, v_ref[...], do_ref[...],
-                      lse_ref[...], delta_ref[...])
+  got = _tile_grads(p, tm, smem_refs, b, n, i, j, q_ref[...], k, v_ref[...], do_ref[...],
+                    lse_ref[...], delta_ref[...], read_grads=reads)
+  ds = got[1]
+  if reads:
+    lane = jax.lax.broadcasted_iota(jnp.int32, (8, _LANES), 1)
+    d_tile = jnp.zeros((8, _LANES), jnp.float32)
+    f_tile = jnp.zeros((8, _LANES), jnp.int32)
+    for r, (d, f) in enumerate(zip(got[2], got[3])):
+      d_tile = jnp.where(lane == r, d, d_tile)
+      f_tile = jnp.where(lane == r, f, f_tile)
+    dr_ref[...] = d_tile
+    fr_ref[...] = f_tile
   # dQ [bq, H] += dS k
   dq_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)

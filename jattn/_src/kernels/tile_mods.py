@@ -185,12 +185,17 @@ def check_consts(consts) -> str | None:
   return None
 
 
-def check(jaxpr, meta, n_args: int, score: bool) -> str | None:
-  """None if `evaluate` takes this jaxpr on a tile; else the reason in words."""
+def check(jaxpr, meta, score: bool) -> str | tuple:
+  """The reason in words why `evaluate` cannot take this jaxpr on a tile, or (it can)
+  the const index of every read of a floating captured array, in evaluation order:
+  the reads whose gradients the backward returns (`evaluate` always reads in this order)."""
   tile = (8, 128)
+  reads = []
 
   def read(i, flat):
-    shape, dtype = meta[i]
+    dtype = meta[i][1]
+    if jnp.issubdtype(dtype, jnp.floating):
+      reads.append(i)
     return jnp.zeros((), dtype)
 
   def f(*args):
@@ -200,8 +205,7 @@ def check(jaxpr, meta, n_args: int, score: bool) -> str | None:
   if score:
     args = [jax.ShapeDtypeStruct(tile, jnp.float32)] + args
   try:
-    outs = jax.eval_shape(f, *args)
+    jax.eval_shape(f, *args)  # a scalar result (of b and n alone) is broadcast by the caller
   except Unsupported as e:
     return str(e)
-  del outs  # a scalar result (a function of b and n alone) is broadcast by the caller
-  return None
+  return tuple(reads)
