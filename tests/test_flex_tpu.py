@@ -312,3 +312,53 @@ def test_gradients_into_captured_arrays_cap_and_per_batch_head_table():
     np.testing.assert_allclose(g, w, atol=5e-5, rtol=1e-4)
   again = jax.jit(jax.grad(loss, argnums=(3, 4)))(*args)  # deterministic: the same bits
   assert np.array_equal(again[0], got[3]) and np.array_equal(again[1], got[4])
+
+
+def test_block_classes_drive_the_kernel_empty_skipped_full_unmasked():
+  # A block mask of causal whose classes are edited: (1, 0), FULL, marked EMPTY, and
+  # the diagonal (1, 1), partial, marked FULL. The kernel must follow the classes: no
+  # contribution from tile (1, 0) at all, and tile (1, 1) with no mask applied.
+  import dataclasses as dc
+  from jattn._src.impl.block_sizes import BlockSizes
+  Tb = Sb = 256
+  q, k, v = _inputs(T=Tb, S=Sb)
+  bm = jattn.create_block_mask(jattn.mods.causal(), None, None, Tb, Sb,
+                               block_sizes=BlockSizes(128, 128))
+  assert bm.classes.tolist() == [[[[1, 0], [2, 1]]]]  # PARTIAL, EMPTY / FULL, PARTIAL
+  bm = dc.replace(bm, classes=jnp.asarray([[[[1, 0], [0, 2]]]], jnp.int8))
+  mods = build_mods(jattn.mods.causal(), None, None, bm, N=N)
+  m = Modifiers(mods=mods, scale=1 / np.sqrt(H))
+  p = flex_tpu.plan(B=B, T=Tb, S=Sb, N=N, K=K, H=H, D=H, dtype=q.dtype, modifiers=m,
+                    block_q=128, block_kv=128, interpret=True)
+  out = flex_tpu.run(p, q, k, v, m, Layout("BTNH"))[0]
+  t, s = np.arange(Tb)[:, None], np.arange(Sb)[None]
+  allowed = s <= t
+  allowed[128:, :128] = False  # EMPTY: skipped
+  allowed[128:, 128:] = True  # FULL: no mask_mod
+  want = reference_attention(q, k, v, mask=np.broadcast_to(allowed, (B, N, Tb, Sb)))
+  np.testing.assert_allclose(out, want, atol=2e-6)
+  assert p.skip
+
+
+def test_skipping_changes_no_value():
+  # the same calls with and without block skipping, against the reference: a hand-written
+  # mask (classes from mask_mod block by block) with empty tiles on both sides
+  q, k, v = _inputs(T=256, S=384, N=4, K=2)
+  mask = lambda b, n, t, s: (jnp.abs(t - s + 64 * n) < 40) | (s < 3)
+  t, s = np.arange(256)[:, None], np.arange(384)[None]
+  n = np.arange(4)[:, None, None]
+  want = reference_attention(q, k, v, mask=((np.abs(t - s + 64 * n) < 40) | (s < 3))[None])
+  for block_q in (64, 128):
+    out = _run(q, k, v, mask_mod=mask, block_q=block_q)[0]
+    np.testing.assert_allclose(out, want, atol=2e-6)
+
+
+def test_per_batch_classes_prefix_lm_two_rows():
+  # prefix_lm's classes differ per batch row (prefix 200 vs 3): the tables are [B, 1, nq, nk]
+  r = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(r.normal(size=(2, 256, N, H)), jnp.float32) for _ in range(3))
+  prefix = jnp.asarray([200, 3], jnp.int32)
+  out = _run(q, k, v, mask_mod=jattn.mods.prefix_lm(prefix), block_q=128)[0]
+  t, s = np.arange(256)[:, None], np.arange(256)[None]
+  allowed = np.stack([(s <= t) | (s < 200), (s <= t) | (s < 3)])[:, None]
+  np.testing.assert_allclose(out, reference_attention(q, k, v, mask=allowed), atol=2e-6)

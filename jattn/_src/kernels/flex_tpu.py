@@ -36,6 +36,9 @@ from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
+from jattn import mods as jattn_mods
+from jattn._src.masks.block_mask import classify
+from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL, closed_form_classes
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
 _LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this wide
@@ -64,6 +67,8 @@ class Plan:
   # const index of each read of a floating array captured by score_mod, in the order
   # the tile evaluation reads them: the backward returns one gradient per read
   score_reads: tuple = ()
+  # block-sparse skipping: EMPTY tiles neither fetched nor computed, FULL ones unmasked
+  skip: bool = False
 
   @property
   def T_padded(self) -> int:
@@ -81,7 +86,7 @@ def _round_up(x: int, m: int) -> int:
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
          modifiers: Modifiers, return_weights: bool = False,
          block_q: int | None = None, block_kv: int | None = None,
-         interpret: bool = False) -> Plan | str:
+         interpret: bool = False, skip: bool = True) -> Plan | str:
   """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
 
   modifiers: the call's `Modifiers` (its arrays may be tracers or
@@ -89,6 +94,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   block_q (a multiple of 8) and block_kv (a multiple of 128): the tiles, by
   default 128 and up to 512, clipped to the padded T and S.
   interpret: run the Pallas kernel in interpret mode (any backend, for tests).
+  skip: skip EMPTY tiles and the masks of FULL ones, from the block classes
+  (computed in the call: closed forms for causal, windows and jattn.mods masks,
+  a given block_mask of these tiles, else mask_mod evaluated block by block).
   """
   m = modifiers
   if return_weights:
@@ -131,10 +139,10 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
         return f"{kind}: {reason}"
       if kind == "score_mod":
         score_reads = reason
+    has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
   if len(score_reads) > _LANES:
     return (f"score_mod reads captured float arrays {len(score_reads)} times per entry "
             f"(the backward returns at most {_LANES} read gradients per tile)")
-    has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
   block_q = min(block_q or 128, _round_up(T, 8))
   block_kv = min(block_kv or 512, _round_up(S, _LANES))
   if block_q % 8 or block_kv % _LANES:
@@ -142,7 +150,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
             "multiple of 8 and block_kv of 128")
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
-              window, has_mask, has_score, bool(interpret), score_reads)
+              window, has_mask, has_score, bool(interpret), score_reads,
+              bool(skip) and (has_mask or bool(st.is_causal) or window is not None))
 
 
 def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
@@ -245,13 +254,15 @@ def _reader(refs, meta):
 
 
 def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vjp=False,
-                 read_grads=False):
+                 read_grads=False, full=False):
   """One tile's logits after scale, score_mod and every mask.
 
   -> (s float32 [bq, bk] with LARGE_NEGATIVE where masked, keep bool [bq, bk]
   or None when nothing is masked, d_score). with_vjp: d_score(ds) -> ds through
   score_mod; read_grads also: -> (that, (d every float read: scalars), (its flat
   index into its array: int32 scalars)), in the order of `Plan.score_reads`.
+  full: a FULL tile, where causal, window and mask_mod hide nothing: only the
+  padding is masked.
   """
   bq, bk = p.block_q, p.block_kv
   tile = (bq, bk)
@@ -297,12 +308,12 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
     keep = both(keep, s_pos < p.S)
   if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
     keep = both(keep, t_pos < p.T)
-  if p.is_causal:
+  if p.is_causal and not full:
     keep = both(keep, s_pos <= t_pos)
-  if p.window is not None:
+  if p.window is not None and not full:
     left, right = p.window
     keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
-  if tm.mask_jaxpr is not None:
+  if tm.mask_jaxpr is not None and not full:
     mm = tile_mods.evaluate(tm.mask_jaxpr, tm.mask_meta, _reader(mask_refs, tm.mask_meta),
                             [b, n, t_pos, s_pos], tile)[0]
     keep = both(keep, jnp.broadcast_to(mm, tile))
@@ -334,6 +345,90 @@ def _lanes(x, width: int):
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tables:
+  """Static shape of the block tables in SMEM: classes over [Bc, Nc, nq, nk], Bc in
+  (1, B), Nc in (1, N) (1 where the mask does not depend on b or n)."""
+
+  Bc: int
+  Nc: int
+  nq: int
+  nk: int
+
+  def at(self, b, n, i, j):
+    """Flat index of (b, n, i, j) in classes and kv_fetch ([Bc, Nc, nq, nk])."""
+    b = b if self.Bc > 1 else 0
+    n = n if self.Nc > 1 else 0
+    return ((b * self.Nc + n) * self.nq + i) * self.nk + j
+
+  def at_t(self, b, n, i, j):
+    """Flat index of (b, n, i, j) in q_fetch ([Bc, Nc, nk, nq])."""
+    b = b if self.Bc > 1 else 0
+    n = n if self.Nc > 1 else 0
+    return ((b * self.Nc + n) * self.nk + j) * self.nq + i
+
+
+def _block_tables(p: Plan, mods):
+  """-> (`_Tables`, [classes, kv_fetch, q_fetch] flat int32 for SMEM), or (None, []).
+
+  classes: EMPTY / PARTIAL / FULL per tile. kv_fetch[b, n, i, j]: the kv tile the
+  index map fetches at step j: j itself unless EMPTY, else the last non-empty one
+  before it (or the row's first non-empty one), so that Pallas, which copies only
+  when the block index changes, issues no DMA for an EMPTY tile. q_fetch: the same
+  along the query tiles, for the dk/dv kernel.
+  """
+  if not p.skip:
+    return None, []
+  bq, bk = p.block_q, p.block_kv
+  parts = []
+  if p.is_causal:
+    parts.append(closed_form_classes(jattn_mods.Causal(), 1, p.T, p.S, bq, bk))
+  if p.window is not None:
+    parts.append(closed_form_classes(jattn_mods.SlidingWindow(*p.window), 1, p.T, p.S, bq, bk))
+  if p.has_mask_mod:
+    nq, nk = p.T_padded // bq, p.S_padded // bk
+    bm = mods.block_mask
+    if bm is not None and bm.T == p.T and bm.S == p.S and tuple(bm.classes.shape[2:]) == (
+        nq, nk) and (bm.block_sizes.q, bm.block_sizes.kv) == (bq, bk):
+      classes = bm.classes
+    else:
+      classes = None
+      if mods.mask_mod is not None:
+        classes = closed_form_classes(mods.mask_mod, p.B, p.T, p.S, bq, bk)
+      if classes is None:
+        classes = classify(mods, p.B, p.N, p.T, p.S, bq, bk)
+        classes = classes[:None if mods.mask_uses(0) else 1, :None if mods.mask_uses(1) else 1]
+    parts.append(classes)
+  classes = parts[0].astype(jnp.int32)
+  for part in parts[1:]:  # AND of masks: the least class (EMPTY < PARTIAL < FULL)
+    classes = jnp.minimum(classes, part.astype(jnp.int32))
+  Bc, Nc, nq, nk = classes.shape
+  tables = _Tables(Bc, Nc, nq, nk)
+  kv_fetch = _fetch(classes != EMPTY, axis=3)
+  q_fetch = _fetch(jnp.swapaxes(classes, 2, 3) != EMPTY, axis=3)
+  return tables, [classes.reshape(-1), kv_fetch.reshape(-1), q_fetch.reshape(-1)]
+
+
+def _fetch(nonempty, axis: int):
+  """int32: along `axis`, each position's own index where nonempty, else the last
+  nonempty one before it, else the first nonempty one (0 if none)."""
+  index = jax.lax.broadcasted_iota(jnp.int32, nonempty.shape, axis)
+  last = jax.lax.cummax(jnp.where(nonempty, index, -1), axis=axis)
+  first = jnp.argmax(nonempty, axis=axis, keepdims=True).astype(jnp.int32)
+  return jnp.where(last >= 0, last, first)
+
+
+def _gated(tables, table_refs, b, n, i, j, step):
+  """step(full) on this tile: skipped if EMPTY, step(True) if FULL, step(False) if PARTIAL;
+  without tables, step(False) always."""
+  if tables is None:
+    step(False)
+    return
+  cls = table_refs[0][tables.at(b, n, i, j)]
+  pl.when(cls == FULL)(lambda: step(True))
+  pl.when(cls == PARTIAL)(lambda: step(False))
+
+
 # ---------------------------------------------------------------- forward kernel
 
 
@@ -342,22 +437,24 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods):
   p = plan_
   q, k, v = _to_tiles(p, layout, query, key, value)
   tm, smem = _tile_mods(mods)
+  tables, table_arrays = _block_tables(p, mods)
   G = p.N // p.K
   bq, bk = p.block_q, p.block_kv
   Tp, Sp = p.T_padded, p.S_padded
+  kv = _kv_index(tables, G)
   in_specs = [
       pl.BlockSpec((None, None, bq, p.H), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, bk, p.H), lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)),
-      pl.BlockSpec((None, None, bk, p.D), lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)),
+      pl.BlockSpec((None, None, bk, p.H), kv),
+      pl.BlockSpec((None, None, bk, p.D), kv),
   ]
   out_specs = [
       pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
       pl.BlockSpec((None, None, bq, _LANES), lambda b, n, i, j, *_: (b, n, i, 0)),
   ]
   out, lse = pl.pallas_call(
-      functools.partial(_forward_kernel, p=p, tm=tm),
+      functools.partial(_forward_kernel, p=p, tm=tm, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(smem), grid=(p.B, p.N, Tp // bq, Sp // bk),
+          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.N, Tp // bq, Sp // bk),
           in_specs=in_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
                           pltpu.VMEM((bq, _LANES), jnp.float32),
@@ -367,14 +464,28 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods):
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_fwd",
-  )(*smem, q, k, v)
+  )(*table_arrays, *smem, q, k, v)
   out = jnp.einsum(f"BNTD->{_batched(layout).out}", out[:, :, :p.T])
   return _without_batch(out, layout), lse[:, :, :p.T, 0]
 
 
-def _forward_kernel(*refs, p: Plan, tm: _TileMods):
-  smem_refs = refs[:tm.count]
-  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[tm.count:]
+def _kv_index(tables, G):
+  """The k/v index map: kv head n // G, kv tile j (or, EMPTY, the one already fetched)."""
+  if tables is None:
+    return lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)
+  return lambda b, n, i, j, cls, kv_fetch, *_: (
+      b, jax.lax.div(n, G), kv_fetch[tables.at(b, n, i, j)], 0)
+
+
+def _split_refs(refs, tables, tm):
+  """-> (block table refs, mods' SMEM refs, the rest)."""
+  nt = 0 if tables is None else 3
+  return refs[:nt], refs[nt:nt + tm.count], refs[nt + tm.count:]
+
+
+def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
+  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
+  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
@@ -383,7 +494,20 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods):
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  s, _, _ = _tile_logits(p, tm, smem_refs, b, n, i, j, q_ref[...], k_ref[...])
+  _gated(tables, table_refs, b, n, i, j, lambda full: _forward_step(
+      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full))
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    l, m = l_sc[...], m_sc[...]
+    seen = l > 0.0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    o_ref[...] = (acc_sc[...] * _lanes(inv, p.D)).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
+
+
+def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full):
+  s, _, _ = _tile_logits(p, tm, smem_refs, b, n, i, j, q_ref[...], k_ref[...], full=full)
   m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 128]
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
   # A row that has seen no visible key keeps m = LARGE_NEGATIVE: shift it by 0
@@ -397,14 +521,6 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods):
   pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32)  # [bq, D]
   acc_sc[...] = acc_sc[...] * _lanes(alpha, p.D) + pv
-
-  @pl.when(j == pl.num_programs(3) - 1)
-  def _finish():
-    l, m = l_sc[...], m_sc[...]
-    seen = l > 0.0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    o_ref[...] = (acc_sc[...] * _lanes(inv, p.D)).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
 
 
 # ---------------------------------------------------------------- backward kernels
@@ -429,12 +545,13 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   rows = lambda x: _pad_rows(jnp.broadcast_to(x[..., None], x.shape + (_LANES,)), p.T_padded)
   lse_l, delta_l = rows(lse.astype(jnp.float32)), rows(delta)  # [B, N, Tp, 128]
   tm, smem = _tile_mods(mods)
+  tables, table_arrays = _block_tables(p, mods)
   G = p.N // p.K
   bq, bk = p.block_q, p.block_kv
   Tp, Sp = p.T_padded, p.S_padded
   nq, nk = Tp // bq, Sp // bk
   row = lambda b, n, i, j, *_: (b, n, i, 0)
-  kv = lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)
+  kv = _kv_index(tables, G)
   dq_out_specs = [pl.BlockSpec((None, None, bq, p.H), row)]
   dq_out_shape = [jax.ShapeDtypeStruct((p.B, p.N, Tp, p.H), jnp.float32)]
   if p.score_reads:  # per program (b, n, i, j): an [8, 128] tile of read gradients, indices
@@ -443,9 +560,9 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
     dq_out_shape += [jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.float32),
                      jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.int32)]
   dq, *read_parts = pl.pallas_call(
-      functools.partial(_dq_kernel, p=p, tm=tm),
+      functools.partial(_dq_kernel, p=p, tm=tm, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(smem), grid=(p.B, p.N, nq, nk),
+          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.N, nq, nk),
           in_specs=[pl.BlockSpec((None, None, bq, p.H), row),
                     pl.BlockSpec((None, None, bk, p.H), kv),
                     pl.BlockSpec((None, None, bk, p.D), kv),
@@ -458,15 +575,20 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_dq",
-  )(*smem, q, k, v, do, lse_l, delta_l)
+  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l)
 
   # grid (b, kv head c, kv tile j, r = g nq + i): query head n = c G + g, query tile i
-  qrow = lambda b, c, j, r, *_: (b, c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq), 0)
+  if tables is None:
+    qrow = lambda b, c, j, r, *_: (b, c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq), 0)
+  else:  # an EMPTY tile re-points to the query tile already fetched
+    def qrow(b, c, j, r, cls, kv_fetch, q_fetch, *_):
+      n, i = c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq)
+      return (b, n, q_fetch[tables.at_t(b, n, i, j)], 0)
   kvrow = lambda b, c, j, r, *_: (b, c, j, 0)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, p=p, tm=tm, nq=nq, G=G),
+      functools.partial(_dkv_kernel, p=p, tm=tm, nq=nq, G=G, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(smem), grid=(p.B, p.K, nk, G * nq),
+          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.K, nk, G * nq),
           in_specs=[pl.BlockSpec((None, None, bq, p.H), qrow),
                     pl.BlockSpec((None, None, bk, p.H), kvrow),
                     pl.BlockSpec((None, None, bk, p.D), kvrow),
@@ -482,7 +604,7 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_dkv",
-  )(*smem, q, k, v, do, lse_l, delta_l)
+  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l)
   dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T])
   dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S])
   dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S])
@@ -500,7 +622,8 @@ def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple
   R = len(p.score_reads)
   d_reads, flats = (x.reshape(p.B, p.N, nq, nk, 8, _LANES)[..., 0, :R] for x in read_parts)
   d_reads = jnp.sum(d_reads, axis=(2, 3))  # [B, N, R]
-  flats = flats[:, :, 0, 0]  # [B, N, R]: a read's index depends on b and n alone
+  # [B, N, R]: a read's index depends on b and n alone; EMPTY tiles wrote -1
+  flats = jnp.max(flats, axis=(2, 3))
   for ci, (shape, dtype) in enumerate(tm.score_meta):
     if not jnp.issubdtype(dtype, jnp.floating):
       continue
@@ -512,11 +635,12 @@ def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple
   return tuple(grads)
 
 
-def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grads=False):
+def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grads=False,
+                full=False):
   """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32); read_grads: also the
   gradients of the float reads of score_mod's arrays and their flat indices."""
   s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
-                                  read_grads=read_grads)
+                                  read_grads=read_grads, full=full)
   probs = jnp.exp(s - _lanes(lse, p.block_kv))
   if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
     probs = jnp.where(keep, probs, 0.0)
@@ -529,23 +653,38 @@ def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grad
   return probs, d_score(ds) * p.scale
 
 
-def _dq_kernel(*refs, p: Plan, tm: _TileMods):
-  smem_refs = refs[:tm.count]
+def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
+  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
   reads = bool(p.score_reads)
   if reads:  # one [8, 128] tile per program: lane r holds read r's gradient / flat index
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dr_ref, fr_ref,
-     dq_sc) = refs[tm.count:]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dr_ref, fr_ref, dq_sc = rest
   else:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = refs[tm.count:]
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = rest
+    dr_ref = fr_ref = None
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
+  if reads:  # an EMPTY tile reads nothing: gradient 0 at index -1
+    dr_ref[...] = jnp.zeros(dr_ref.shape, jnp.float32)
+    fr_ref[...] = jnp.full(fr_ref.shape, -1, jnp.int32)
+  _gated(tables, table_refs, b, n, i, j, lambda full: _dq_step(
+      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_sc,
+      dr_ref, fr_ref, full))
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    dq_ref[...] = dq_sc[...]
+
+
+def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+             dq_sc, dr_ref, fr_ref, full):
+  reads = dr_ref is not None
   k = k_ref[...]
   got = _tile_grads(p, tm, smem_refs, b, n, i, j, q_ref[...], k, v_ref[...], do_ref[...],
-                    lse_ref[...], delta_ref[...], read_grads=reads)
+                    lse_ref[...], delta_ref[...], read_grads=reads, full=full)
   ds = got[1]
   if reads:
     lane = jax.lax.broadcasted_iota(jnp.int32, (8, _LANES), 1)
@@ -560,14 +699,10 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods):
   dq_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)
 
-  @pl.when(j == pl.num_programs(3) - 1)
-  def _finish():
-    dq_ref[...] = dq_sc[...]
 
-
-def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int):
-  smem_refs = refs[:tm.count]
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs[tm.count:]
+def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
+  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc = rest
   b, c, j, r = (pl.program_id(a) for a in range(4))
   n, i = c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq)
 
@@ -576,16 +711,23 @@ def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int):
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  q, do = q_ref[...], do_ref[...]
-  probs, ds = _tile_grads(p, tm, smem_refs, b, n, i, j, q, k_ref[...], v_ref[...], do,
-                          lse_ref[...], delta_ref[...])
-  # dV [bk, D] += P^T dO ; dK [bk, H] += dS^T q
-  dv_sc[...] += jax.lax.dot_general(probs.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-  dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+  _gated(tables, table_refs, b, n, i, j, lambda full: _dkv_step(
+      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_sc,
+      dv_sc, full))
 
   @pl.when(r == pl.num_programs(3) - 1)
   def _finish():
     dk_ref[...] = dk_sc[...]
     dv_ref[...] = dv_sc[...]
+
+
+def _dkv_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+              dk_sc, dv_sc, full):
+  q, do = q_ref[...], do_ref[...]
+  probs, ds = _tile_grads(p, tm, smem_refs, b, n, i, j, q, k_ref[...], v_ref[...], do,
+                          lse_ref[...], delta_ref[...], full=full)
+  # dV [bk, D] += P^T dO ; dK [bk, H] += dS^T q
+  dv_sc[...] += jax.lax.dot_general(probs.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+  dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
