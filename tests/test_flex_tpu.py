@@ -175,8 +175,9 @@ def test_gradients_match_dense_float64_reference():
 
 
 @pytest.mark.parametrize("mask_mod, score_mod, words", [
-    (lambda: jattn.mods.document(jnp.zeros((1, T), jnp.int32)), None, "query or key position"),
-    (None, lambda: jattn.mods.relative_bias(jnp.zeros((N, 9))), "query or key position"),
+    (None, lambda: jattn.mods.relative_bias(jnp.zeros((N, 9))), "through arithmetic"),
+    (None, lambda: (lambda pos: lambda x, b, n, t, s: x + pos[t])(jnp.arange(T, dtype=jnp.float32)),
+     "in score_mod"),
     (lambda: (lambda b, n, t, s: jnp.arange(4)[t % 4] > 0), None, "not evaluated on a tile"),
 ])
 def test_refused_with_a_reason(mask_mod, score_mod, words):
@@ -362,3 +363,47 @@ def test_per_batch_classes_prefix_lm_two_rows():
   t, s = np.arange(256)[:, None], np.arange(256)[None]
   allowed = np.stack([(s <= t) | (s < 200), (s <= t) | (s < 3)])[:, None]
   np.testing.assert_allclose(out, reference_attention(q, k, v, mask=allowed), atol=2e-6)
+
+
+def _documents(B_, L, count, seed):
+  """int32 [B_, L]: `count` packed documents of random lengths per row."""
+  r = np.random.default_rng(seed)
+  cuts = np.sort(r.choice(np.arange(1, L), size=(B_, count - 1)), axis=1)
+  return jnp.asarray((np.arange(L)[None, None] >= cuts[:, :, None]).sum(1), jnp.int32)
+
+
+def test_document_mask_per_token_ids_as_blocks_values_and_gradients():
+  # segment ids [B, T] and [B, S] reach the kernel as blocks beside q and k (x[b, t]
+  # along the lanes, x[b, s] along the sublanes); T = 200 != S = 250, B = 2, padded
+  q_ids, kv_ids = _documents(2, T, 5, 0), _documents(2, S, 5, 1)
+  r = np.random.default_rng(4)
+  q, k, v = (jnp.asarray(r.normal(size=(2, n_, N, H)), jnp.float32) for n_ in (T, S, S))
+  mask = jattn.mods.document(q_ids, kv_ids)
+  out, _, lse = _run(q, k, v, mask_mod=mask)
+  want = reference_attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  np.testing.assert_allclose(out, want, atol=2e-6)
+
+  def loss(q, k, v):
+    o = _run(q, k, v, mask_mod=mask)[0]
+    return jnp.sum(o * jnp.cos(o))
+
+  def dense(q, k, v):
+    allowed = (q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+    w = jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), -1)
+    w = jnp.where(allowed, w, 0.0)
+    o = jnp.einsum("bnts,bsnd->btnd", w, v)
+    return jnp.sum(o * jnp.cos(o))
+
+  got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  with jax.enable_x64(True):
+    want = jax.grad(dense, argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float64) for a in (q, k, v)))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, np.nan_to_num(w), atol=2e-5, rtol=1e-4)
+
+
+def test_document_mask_export_has_no_TS_tensor():
+  ids = jnp.asarray(np.repeat(np.arange(16), 128)[None].repeat(2, 0), jnp.int32)  # [2, 2048]
+  text = _export_text(jattn.mods.document(ids[:, :1024], ids), None, None)
+  assert text.count("tpu_custom_call") >= 1
+  assert not re.search(r"tensor<[^>]*\b1024x2048", text)

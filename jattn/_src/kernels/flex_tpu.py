@@ -69,6 +69,8 @@ class Plan:
   score_reads: tuple = ()
   # block-sparse skipping: EMPTY tiles neither fetched nor computed, FULL ones unmasked
   skip: bool = False
+  # ((const index, "t" or "s"), ...): mask_mod's per-token arrays, read as blocks
+  mask_rows: tuple = ()
 
   @property
   def T_padded(self) -> int:
@@ -124,7 +126,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     return "a traced scale: the kernel takes a Python number"
   mods = m.mods
   has_mask = has_score = False
-  score_reads = ()
+  score_reads = mask_rows = ()
   if mods is not None:
     if mods.block_mask is not None and not mods.has_mask:
       return "a block_mask without its mask_mod"
@@ -133,12 +135,17 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
                                 ("score_mod", mods.score_jaxpr, mods.score_consts)):
       if jaxpr is None:
         continue
-      reason = tile_mods.check_consts(consts) or tile_mods.check(
-          jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
-      if isinstance(reason, str):
+      got = tile_mods.check(jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
+      if isinstance(got, str):
+        return f"{kind}: {got}"
+      reads, rows = got
+      reason = tile_mods.check_consts(consts, skip={ci for ci, _ in rows})
+      if reason:
         return f"{kind}: {reason}"
       if kind == "score_mod":
-        score_reads = reason
+        score_reads = reads
+      else:
+        mask_rows = rows
     has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
   if len(score_reads) > _LANES:
     return (f"score_mod reads captured float arrays {len(score_reads)} times per entry "
@@ -151,7 +158,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, has_score, bool(interpret), score_reads,
-              bool(skip) and (has_mask or bool(st.is_causal) or window is not None))
+              bool(skip) and (has_mask or bool(st.is_causal) or window is not None),
+              mask_rows)
 
 
 def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
@@ -227,15 +235,64 @@ class _TileMods:
     return len(self.mask_meta) + len(self.score_meta)
 
 
-def _tile_mods(mods):
-  """(the static `_TileMods`, the consts as flat 32-bit arrays for SMEM)."""
+def _tile_mods(mods, p: Plan):
+  """(the static `_TileMods`, the consts as flat 32-bit arrays for SMEM, mask_mod's
+  per-token arrays as row arrays for VMEM blocks (`_row_arrays`))."""
   mask_jaxpr = None if mods is None else mods.mask_jaxpr
   score_jaxpr = None if mods is None else mods.score_jaxpr
   mask_consts = () if mask_jaxpr is None else tuple(mods.mask_consts)
   score_consts = () if score_jaxpr is None else tuple(mods.score_consts)
   tm = _TileMods(mask_jaxpr, score_jaxpr, tile_mods.consts_meta(mask_consts),
                  tile_mods.consts_meta(score_consts))
-  return tm, [_to_smem(c) for c in mask_consts + score_consts]
+  rows = {ci for ci, _ in p.mask_rows}
+  smem = [jnp.zeros((1,), jnp.int32) if i in rows else _to_smem(c)  # a placeholder
+          for i, c in enumerate(mask_consts)] + [_to_smem(c) for c in score_consts]
+  return tm, smem, _row_arrays(p, mask_consts)
+
+
+def _row_arrays(p: Plan, mask_consts):
+  """Per-token array x [L] or [X, L] read as x[row, t] -> int32/float32 [X, Tp, 128]
+  (each entry along the lanes), as x[row, s] -> [X, 8, Sp] (along the sublanes);
+  positions past L repeat x[.., L - 1], which is dynamic_slice's clamp."""
+  arrays = []
+  for ci, letter in p.mask_rows:
+    x = jnp.asarray(mask_consts[ci])
+    x = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    x = x.reshape((1,) * (2 - x.ndim) + x.shape)  # [X, L]
+    size = p.T_padded if letter == "t" else p.S_padded
+    x = x[:, :size]
+    x = jnp.pad(x, ((0, 0), (0, size - x.shape[1])), mode="edge")
+    if letter == "t":
+      arrays.append(jnp.broadcast_to(x[:, :, None], x.shape + (_LANES,)))
+    else:
+      arrays.append(jnp.broadcast_to(x[:, None, :], (x.shape[0], 8, size)))
+  return arrays
+
+
+def _row_specs(p: Plan, row_arrays, q_tile, kv_tile):
+  """BlockSpecs of the row arrays: every row X at once, the tile of the grid step;
+  q_tile(*grid indices) / kv_tile(*grid indices) -> the query / key tile index."""
+  specs = []
+  for (ci, letter), x in zip(p.mask_rows, row_arrays):
+    if letter == "t":
+      specs.append(pl.BlockSpec((x.shape[0], p.block_q, _LANES),
+                                lambda *g, f=q_tile: (0, f(*g[:4]), 0)))
+    else:
+      specs.append(pl.BlockSpec((x.shape[0], 8, p.block_kv),
+                                lambda *g, f=kv_tile: (0, 0, f(*g[:4]))))
+  return specs
+
+
+def _block_reader(p: Plan, tm, row_refs):
+  """read_block for tile_mods.evaluate: the [bq, bk] tile of x[row, t] or x[row, s]."""
+  refs = dict(zip(p.mask_rows, row_refs))
+
+  def read_block(ci, letter, row):
+    x = refs[ci, letter][row]  # [bq, 128] or [8, bk]
+    x = _lanes(x, p.block_kv) if letter == "t" else jnp.broadcast_to(
+        x[0:1, :], (p.block_q, p.block_kv))
+    return x != 0 if tm.mask_meta[ci][1] == np.bool_ else x
+  return read_block
 
 
 def _to_smem(c):
@@ -254,7 +311,7 @@ def _reader(refs, meta):
 
 
 def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vjp=False,
-                 read_grads=False, full=False):
+                 read_grads=False, full=False, row_refs=()):
   """One tile's logits after scale, score_mod and every mask.
 
   -> (s float32 [bq, bk] with LARGE_NEGATIVE where masked, keep bool [bq, bk]
@@ -286,7 +343,7 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
         return value
 
       y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
-                             tile)[0]
+                             tile, positions={3: "t", 4: "s"})[0]
       return jnp.broadcast_to(y, tile).astype(jnp.float32), tuple(flats)
     if with_vjp:
       eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads) if read_grads else ()
@@ -315,7 +372,8 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
     keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
   if tm.mask_jaxpr is not None and not full:
     mm = tile_mods.evaluate(tm.mask_jaxpr, tm.mask_meta, _reader(mask_refs, tm.mask_meta),
-                            [b, n, t_pos, s_pos], tile)[0]
+                            [b, n, t_pos, s_pos], tile, positions={2: "t", 3: "s"},
+                            read_block=_block_reader(p, tm, row_refs))[0]
     keep = both(keep, jnp.broadcast_to(mm, tile))
   if keep is not None:
     s = jnp.where(keep, s, LARGE_NEGATIVE)
@@ -436,7 +494,7 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods):
   """-> (out in the query's layout with D, lse float32 [B, N, T]); no sinks."""
   p = plan_
   q, k, v = _to_tiles(p, layout, query, key, value)
-  tm, smem = _tile_mods(mods)
+  tm, smem, row_arrays = _tile_mods(mods, p)
   tables, table_arrays = _block_tables(p, mods)
   G = p.N // p.K
   bq, bk = p.block_q, p.block_kv
@@ -446,7 +504,7 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods):
       pl.BlockSpec((None, None, bq, p.H), lambda b, n, i, j, *_: (b, n, i, 0)),
       pl.BlockSpec((None, None, bk, p.H), kv),
       pl.BlockSpec((None, None, bk, p.D), kv),
-  ]
+  ] + _row_specs(p, row_arrays, lambda b, n, i, j: i, lambda b, n, i, j: j)
   out_specs = [
       pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
       pl.BlockSpec((None, None, bq, _LANES), lambda b, n, i, j, *_: (b, n, i, 0)),
@@ -464,7 +522,7 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods):
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_fwd",
-  )(*table_arrays, *smem, q, k, v)
+  )(*table_arrays, *smem, q, k, v, *row_arrays)
   out = jnp.einsum(f"BNTD->{_batched(layout).out}", out[:, :, :p.T])
   return _without_batch(out, layout), lse[:, :, :p.T, 0]
 
@@ -485,7 +543,10 @@ def _split_refs(refs, tables, tm):
 
 def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
   table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
-  q_ref, k_ref, v_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc = rest
+  nr = len(p.mask_rows)
+  q_ref, k_ref, v_ref = rest[:3]
+  row_refs = rest[3:3 + nr]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = rest[3 + nr:]
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
@@ -495,7 +556,7 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
   _gated(tables, table_refs, b, n, i, j, lambda full: _forward_step(
-      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full))
+      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full, row_refs))
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -506,8 +567,10 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
 
 
-def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full):
-  s, _, _ = _tile_logits(p, tm, smem_refs, b, n, i, j, q_ref[...], k_ref[...], full=full)
+def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full,
+                  row_refs):
+  s, _, _ = _tile_logits(p, tm, smem_refs, b, n, i, j, q_ref[...], k_ref[...], full=full,
+                         row_refs=row_refs)
   m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 128]
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
   # A row that has seen no visible key keeps m = LARGE_NEGATIVE: shift it by 0
@@ -544,7 +607,7 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   do = _pad_rows(do.astype(query.dtype), p.T_padded)
   rows = lambda x: _pad_rows(jnp.broadcast_to(x[..., None], x.shape + (_LANES,)), p.T_padded)
   lse_l, delta_l = rows(lse.astype(jnp.float32)), rows(delta)  # [B, N, Tp, 128]
-  tm, smem = _tile_mods(mods)
+  tm, smem, row_arrays = _tile_mods(mods, p)
   tables, table_arrays = _block_tables(p, mods)
   G = p.N // p.K
   bq, bk = p.block_q, p.block_kv
@@ -568,14 +631,15 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
                     pl.BlockSpec((None, None, bk, p.D), kv),
                     pl.BlockSpec((None, None, bq, p.D), row),
                     pl.BlockSpec((None, None, bq, _LANES), row),
-                    pl.BlockSpec((None, None, bq, _LANES), row)],
+                    pl.BlockSpec((None, None, bq, _LANES), row)]
+          + _row_specs(p, row_arrays, lambda b, n, i, j: i, lambda b, n, i, j: j),
           out_specs=dq_out_specs,
           scratch_shapes=[pltpu.VMEM((bq, p.H), jnp.float32)]),
       out_shape=dq_out_shape,
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_dq",
-  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l)
+  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l, *row_arrays)
 
   # grid (b, kv head c, kv tile j, r = g nq + i): query head n = c G + g, query tile i
   if tables is None:
@@ -594,7 +658,9 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
                     pl.BlockSpec((None, None, bk, p.D), kvrow),
                     pl.BlockSpec((None, None, bq, p.D), qrow),
                     pl.BlockSpec((None, None, bq, _LANES), qrow),
-                    pl.BlockSpec((None, None, bq, _LANES), qrow)],
+                    pl.BlockSpec((None, None, bq, _LANES), qrow)]
+          + _row_specs(p, row_arrays, lambda b, c, j, r: jax.lax.rem(r, nq),
+                       lambda b, c, j, r: j),
           out_specs=[pl.BlockSpec((None, None, bk, p.H), kvrow),
                      pl.BlockSpec((None, None, bk, p.D), kvrow)],
           scratch_shapes=[pltpu.VMEM((bk, p.H), jnp.float32),
@@ -604,7 +670,7 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_dkv",
-  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l)
+  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l, *row_arrays)
   dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T])
   dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S])
   dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S])
@@ -636,11 +702,11 @@ def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple
 
 
 def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grads=False,
-                full=False):
+                full=False, row_refs=()):
   """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32); read_grads: also the
   gradients of the float reads of score_mod's arrays and their flat indices."""
   s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
-                                  read_grads=read_grads, full=full)
+                                  read_grads=read_grads, full=full, row_refs=row_refs)
   probs = jnp.exp(s - _lanes(lse, p.block_kv))
   if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
     probs = jnp.where(keep, probs, 0.0)
@@ -656,10 +722,13 @@ def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grad
 def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
   table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
   reads = bool(p.score_reads)
+  nr = len(p.mask_rows)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
+  row_refs, rest = rest[6:6 + nr], rest[6 + nr:]
   if reads:  # one [8, 128] tile per program: lane r holds read r's gradient / flat index
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dr_ref, fr_ref, dq_sc = rest
+    dq_ref, dr_ref, fr_ref, dq_sc = rest
   else:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_sc = rest
+    dq_ref, dq_sc = rest
     dr_ref = fr_ref = None
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
@@ -672,7 +741,7 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
     fr_ref[...] = jnp.full(fr_ref.shape, -1, jnp.int32)
   _gated(tables, table_refs, b, n, i, j, lambda full: _dq_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_sc,
-      dr_ref, fr_ref, full))
+      dr_ref, fr_ref, full, row_refs))
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -680,11 +749,12 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
 
 
 def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-             dq_sc, dr_ref, fr_ref, full):
+             dq_sc, dr_ref, fr_ref, full, row_refs):
   reads = dr_ref is not None
   k = k_ref[...]
   got = _tile_grads(p, tm, smem_refs, b, n, i, j, q_ref[...], k, v_ref[...], do_ref[...],
-                    lse_ref[...], delta_ref[...], read_grads=reads, full=full)
+                    lse_ref[...], delta_ref[...], read_grads=reads, full=full,
+                    row_refs=row_refs)
   ds = got[1]
   if reads:
     lane = jax.lax.broadcasted_iota(jnp.int32, (8, _LANES), 1)
@@ -702,7 +772,10 @@ def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
 def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
   table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
-  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_sc, dv_sc = rest
+  nr = len(p.mask_rows)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
+  row_refs = rest[6:6 + nr]
+  dk_ref, dv_ref, dk_sc, dv_sc = rest[6 + nr:]
   b, c, j, r = (pl.program_id(a) for a in range(4))
   n, i = c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq)
 
@@ -713,7 +786,7 @@ def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
 
   _gated(tables, table_refs, b, n, i, j, lambda full: _dkv_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_sc,
-      dv_sc, full))
+      dv_sc, full, row_refs))
 
   @pl.when(r == pl.num_programs(3) - 1)
   def _finish():
@@ -722,10 +795,10 @@ def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
 
 
 def _dkv_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-              dk_sc, dv_sc, full):
+              dk_sc, dv_sc, full, row_refs):
   q, do = q_ref[...], do_ref[...]
   probs, ds = _tile_grads(p, tm, smem_refs, b, n, i, j, q, k_ref[...], v_ref[...], do,
-                          lse_ref[...], delta_ref[...], full=full)
+                          lse_ref[...], delta_ref[...], full=full, row_refs=row_refs)
   # dV [bk, D] += P^T dO ; dK [bk, H] += dS^T q
   dv_sc[...] += jax.lax.dot_general(probs.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)

@@ -68,36 +68,86 @@ def _is_tile(x) -> bool:
   return hasattr(x, "shape") and len(x.shape) == 2
 
 
-def evaluate(jaxpr, consts_meta, read, args, tile_shape):
+def evaluate(jaxpr, consts_meta, read, args, tile_shape, *, positions=None,
+             read_block=None):
   """jaxpr (open, its constvars = the Mods consts) on args (scalars or tiles) -> list.
 
   consts_meta: [(shape, dtype)] per const; read(i, flat_index) -> that element
-  of const i as a scalar of its dtype.
+  of const i as a scalar of its dtype. positions: {argument number: "t" or "s"},
+  the arguments that are the position tiles; read_block(i, letter, row) -> the
+  tile x[row, t] (letter "t") or x[row, s] of const i (a 1-D const: row 0), for a
+  captured per-token array indexed by the position itself. Without read_block
+  such a read is `Unsupported`.
   """
   consts = [_Const(i, shape, dtype) for i, (shape, dtype) in enumerate(consts_meta)]
-  return _evaluate(jaxpr, consts, read, args, tile_shape)
+  tags = {k: ("at", c) for k, c in (positions or {}).items()}
+  return _evaluate(jaxpr, consts, _Ctx(read, read_block, tile_shape), args, tags)
 
 
-def _evaluate(jaxpr, consts, read, args, tile_shape):
-  env = {}
+class _Ctx:
+  def __init__(self, read, read_block, tile_shape):
+    self.read, self.read_block, self.tile_shape = read, read_block, tile_shape
+
+
+class _Row:
+  """dynamic_slice of one element of a per-token _Const at (row, t) or (row, s): the tile."""
+
+  def __init__(self, tile):
+    self.tile = tile
+
+
+def _evaluate(jaxpr, consts, ctx, args, arg_tags):
+  """arg_tags {argument number: tag}: ("at", letter) marks a value equal to the position
+  tile t or s (for t, s >= 0); ("neg", letter) the test `position < 0`."""
+  env, tags = {}, {}
 
   def get(v):
     if isinstance(v, jex_core.Literal):
       return jnp.asarray(v.val, v.aval.dtype)
     return env[v]
 
+  def tag(v):
+    return None if isinstance(v, jex_core.Literal) else tags.get(v)
+
   for var, x in zip(jaxpr.constvars, consts):
     env[var] = x
-  for var, x in zip(jaxpr.invars, args):
+  for k, (var, x) in enumerate(zip(jaxpr.invars, args)):
     env[var] = x
+    if k in arg_tags:
+      tags[var] = arg_tags[k]
   for eqn in jaxpr.eqns:
-    outs = _eqn(eqn, [get(v) for v in eqn.invars], read, tile_shape)
+    ins = [get(v) for v in eqn.invars]
+    in_tags = [tag(v) for v in eqn.invars]
+    outs = _eqn(eqn, ins, in_tags, ctx)
     for var, x in zip(eqn.outvars, outs):
       env[var] = x
+    out_tag = _tag_of(eqn, in_tags)
+    if out_tag is not None:
+      tags[eqn.outvars[0]] = out_tag
   return [get(v) for v in jaxpr.outvars]
 
 
-def _eqn(eqn, ins, read, tile_shape):
+def _tag_of(eqn, in_tags):
+  """Follows a position through what jnp indexing does to it: the negative-index test
+  `x < 0`, the wrap `select_n(x < 0, x, x + L)` (x for x >= 0), a cast to int32."""
+  name = eqn.primitive.name
+  first = in_tags[0] if in_tags else None
+  if name == "lt" and first and first[0] == "at":
+    other = eqn.invars[1]
+    if isinstance(other, jex_core.Literal) and other.val == 0:
+      return ("neg", first[1])
+  if name == "select_n" and len(in_tags) == 3 and first and first[0] == "neg":
+    picked = in_tags[1]
+    if picked == ("at", first[1]):
+      return picked
+  if name == "convert_element_type" and first and first[0] == "at" and (
+      eqn.params["new_dtype"] == np.int32):
+    return first
+  return None
+
+
+def _eqn(eqn, ins, in_tags, ctx):
+  read, tile_shape = ctx.read, ctx.tile_shape
   name = eqn.primitive.name
   sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   if sub is not None:  # jit, custom_jvp_call, ...: evaluated inline
@@ -106,7 +156,15 @@ def _eqn(eqn, ins, read, tile_shape):
     if any(np.size(c) != 1 for c in inner_consts):
       raise Unsupported(f"'{name}' inside the function closes over an array")
     inner_consts = [jnp.asarray(c).reshape(()) for c in inner_consts]
-    return _evaluate(inner, inner_consts, read, ins, tile_shape)
+    arg_tags = {k: t for k, t in enumerate(in_tags) if t is not None}
+    return _evaluate(inner, inner_consts, ctx, ins, arg_tags)
+  if name == "dynamic_slice" and isinstance(ins[0], _Const) and any(
+      t is not None and t[0] == "at" for t in in_tags[1:]):
+    return [_read_row(eqn, ins, in_tags, ctx)]
+  if any(isinstance(x, _Row) for x in ins):
+    if name in ("squeeze", "reshape") and eqn.outvars[0].aval.shape == ():
+      return [ins[0].tile]
+    raise Unsupported(f"an element of a per-token array goes into '{name}'")
   # A captured scalar (a traced cap) is read where it is used.
   ins = [read(x.index, jnp.int32(0)) if isinstance(x, _Const) and x.shape == () else x
          for x in ins]
@@ -144,6 +202,26 @@ def _eqn(eqn, ins, read, tile_shape):
   return out if eqn.primitive.multiple_results else [out]
 
 
+def _read_row(eqn, ins, in_tags, ctx):
+  """dynamic_slice(const, [row,] position) of one element, position the tile t or s."""
+  const = ins[0]
+  starts, start_tags = ins[1:], in_tags[1:]
+  letter = start_tags[-1][1] if start_tags[-1] and start_tags[-1][0] == "at" else None
+  if (letter is None or len(const.shape) not in (1, 2)
+      or any(s != 1 for s in eqn.params["slice_sizes"])
+      or any(_is_tile(x) for x in starts[:-1])):
+    raise Unsupported(f"a captured array of shape {list(const.shape)} indexed by a position "
+                      "other than as x[t], x[s], x[row, t] or x[row, s] with a scalar row")
+  if ctx.read_block is None:
+    raise Unsupported(f"a captured array of shape {list(const.shape)} is indexed by a query "
+                      "or key position (t or s) in score_mod; the kernel takes such per-token "
+                      "arrays in mask_mod only")
+  row = jnp.int32(0)
+  if len(const.shape) == 2:  # dynamic_slice clamps its start
+    row = jnp.minimum(jnp.maximum(starts[0].astype(jnp.int32), 0), const.shape[0] - 1)
+  return _Row(ctx.read_block(const.index, letter, row))
+
+
 def _read_const(eqn, ins, read):
   """dynamic_slice(const, *scalar starts) of one element -> _Element."""
   name = eqn.primitive.name
@@ -159,8 +237,9 @@ def _read_const(eqn, ins, read):
   starts = ins[1:]
   if any(_is_tile(x) for x in starts):
     raise Unsupported(f"a captured array of shape {list(const.shape)} is indexed by a query "
-                      "or key position (t or s); the kernel takes only arrays indexed by "
-                      "b, n or constants (per-token arrays as blocks are not done yet)")
+                      "or key position (t or s) through arithmetic; the kernel takes arrays "
+                      "indexed by b, n or constants, and in mask_mod x[t], x[s], x[row, t], "
+                      "x[row, s] (a relative-bias table is not taken yet)")
   flat = jnp.int32(0)
   for start, dim in zip(starts, const.shape):  # dynamic_slice clamps its starts
     start = jnp.minimum(jnp.maximum(start.astype(jnp.int32), 0), dim - 1)
@@ -172,9 +251,11 @@ def consts_meta(consts) -> tuple:
   return tuple((tuple(np.shape(c)), np.dtype(c.dtype)) for c in consts)
 
 
-def check_consts(consts) -> str | None:
-  """A reason why these captured arrays cannot go to SMEM, or None."""
-  for c in consts:
+def check_consts(consts, skip=()) -> str | None:
+  """A reason why these captured arrays cannot go to SMEM (those not in skip), or None."""
+  for i, c in enumerate(consts):
+    if i in skip:
+      continue
     dtype = np.dtype(c.dtype)
     if dtype.itemsize != 4 and dtype != np.bool_:
       return (f"a captured array of dtype {dtype} (SMEM holds 32-bit values: int32, "
@@ -187,19 +268,31 @@ def check_consts(consts) -> str | None:
 
 def check(jaxpr, meta, score: bool) -> str | tuple:
   """The reason in words why `evaluate` cannot take this jaxpr on a tile, or (it can)
-  the const index of every read of a floating captured array, in evaluation order:
-  the reads whose gradients the backward returns (`evaluate` always reads in this order)."""
+  (the const index of every read of a floating captured array, in evaluation order:
+  the reads whose gradients the backward returns (`evaluate` always reads in this
+  order), ((const index, "t" or "s"), ...) for the per-token arrays read by
+  position: mask_mod only)."""
   tile = (8, 128)
-  reads = []
+  reads, rows = [], set()
+
+  def read_block(i, letter, row):
+    rows.add((i, letter))
+    return jnp.zeros(tile, meta[i][1])
+
+  scalar_reads = set()
 
   def read(i, flat):
     dtype = meta[i][1]
+    scalar_reads.add(i)
     if jnp.issubdtype(dtype, jnp.floating):
       reads.append(i)
     return jnp.zeros((), dtype)
 
+  positions = {3: "t", 4: "s"} if score else {2: "t", 3: "s"}
+
   def f(*args):
-    return evaluate(jaxpr, meta, read, args, tile)
+    return evaluate(jaxpr, meta, read, args, tile, positions=positions,
+                    read_block=None if score else read_block)
 
   args = [jax.ShapeDtypeStruct((), jnp.int32)] * 2 + [jax.ShapeDtypeStruct(tile, jnp.int32)] * 2
   if score:
@@ -208,4 +301,6 @@ def check(jaxpr, meta, score: bool) -> str | tuple:
     jax.eval_shape(f, *args)  # a scalar result (of b and n alone) is broadcast by the caller
   except Unsupported as e:
     return str(e)
-  return tuple(reads)
+  if {i for i, _ in rows} & scalar_reads:
+    return "a captured array read both by position and as a scalar"
+  return tuple(reads), tuple(sorted(rows))
