@@ -372,7 +372,7 @@ def _documents(B_, L, count, seed):
   return jnp.asarray((np.arange(L)[None, None] >= cuts[:, :, None]).sum(1), jnp.int32)
 
 
-def test_document_mask_per_token_ids_as_blocks_values_and_gradients():
+def test_document_mask_per_token_ids_as_blocks():
   # segment ids [B, T] and [B, S] reach the kernel as blocks beside q and k (x[b, t]
   # along the lanes, x[b, s] along the sublanes); T = 200 != S = 250, B = 2, padded
   q_ids, kv_ids = _documents(2, T, 5, 0), _documents(2, S, 5, 1)
@@ -382,6 +382,14 @@ def test_document_mask_per_token_ids_as_blocks_values_and_gradients():
   out, _, lse = _run(q, k, v, mask_mod=mask)
   want = reference_attention(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
   np.testing.assert_allclose(out, want, atol=2e-6)
+
+
+@pytest.mark.thorough
+def test_document_mask_gradients():
+  q_ids, kv_ids = _documents(2, T, 5, 0), _documents(2, S, 5, 1)
+  r = np.random.default_rng(4)
+  q, k, v = (jnp.asarray(r.normal(size=(2, n_, N, H)), jnp.float32) for n_ in (T, S, S))
+  mask = jattn.mods.document(q_ids, kv_ids)
 
   def loss(q, k, v):
     o = _run(q, k, v, mask_mod=mask)[0]
