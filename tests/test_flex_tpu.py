@@ -145,6 +145,7 @@ def test_unbatched_layout():
   assert lse.shape == (N, 24)
 
 
+@pytest.mark.thorough
 def test_gradients_match_dense_float64_reference():
   q, k, v = _inputs(T=40, S=72)
   slopes = jnp.asarray([0.5, 0.25], jnp.float32)
@@ -175,7 +176,8 @@ def test_gradients_match_dense_float64_reference():
 
 
 @pytest.mark.parametrize("mask_mod, score_mod, words", [
-    (None, lambda: jattn.mods.relative_bias(jnp.zeros((N, 9))), "through arithmetic"),
+    (lambda: (lambda ok: lambda b, n, t, s: ok[(s - t) % 4])(jnp.asarray([1, 0, 1, 1]) > 0),
+     None, "through arithmetic"),
     (None, lambda: (lambda pos: lambda x, b, n, t, s: x + pos[t])(jnp.arange(T, dtype=jnp.float32)),
      "in score_mod"),
     (lambda: (lambda b, n, t, s: jnp.arange(4)[t % 4] > 0), None, "not evaluated on a tile"),
@@ -341,6 +343,7 @@ def test_block_classes_drive_the_kernel_empty_skipped_full_unmasked():
   assert p.skip
 
 
+@pytest.mark.thorough
 def test_skipping_changes_no_value():
   # the same calls with and without block skipping, against the reference: a hand-written
   # mask (classes from mask_mod block by block) with empty tiles on both sides
@@ -415,3 +418,64 @@ def test_document_mask_export_has_no_TS_tensor():
   text = _export_text(jattn.mods.document(ids[:, :1024], ids), None, None)
   assert text.count("tpu_custom_call") >= 1
   assert not re.search(r"tensor<[^>]*\b1024x2048", text)
+
+
+@pytest.mark.parametrize("gradients", [
+    False, pytest.param(True, marks=pytest.mark.thorough)])
+def test_relative_bias_table_gathered_in_the_kernel(gradients):
+  # table [N, 2M+1] at clip(s - t, -M, M) + M: a gather along the lanes of a VMEM tile;
+  # its gradient by the blockwise backward (dq, dk, dv by the Pallas kernels)
+  M, Tr, Sr = 6, 40, 200
+  r = np.random.default_rng(5)
+  q, k, v = _inputs(T=Tr, S=Sr, N=4, K=2, seed=5)
+  table = jnp.asarray(r.normal(size=(4, 2 * M + 1)), jnp.float32)
+  t, s = np.arange(Tr)[:, None], np.arange(Sr)[None]
+  bias = np.asarray(table, np.float64)[:, np.clip(s - t, -M, M) + M][None]  # [1, N, T, S]
+  mask = np.broadcast_to(s <= t + 100, (B, 4, Tr, Sr))
+
+  def run(q, k, v, table):
+    return _run(q, k, v, score_mod=jattn.mods.relative_bias(table),
+                mask_mod=lambda b, n, t, s: s <= t + 100, block_q=16)
+
+  out, _, lse = run(q, k, v, table)
+  np.testing.assert_allclose(out, reference_attention(q, k, v, bias, mask), atol=2e-6)
+  np.testing.assert_allclose(lse, _lse(q, k, mask, bias=bias), atol=2e-5)
+  if not gradients:
+    return
+
+  def loss(q, k, v, table):
+    o = run(q, k, v, table)[0]
+    return jnp.sum(o * jnp.cos(o))
+
+  def dense(q, k, v, table):
+    logits = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, 2, 2)) / np.sqrt(H)
+    logits = logits + table[:, np.clip(s - t, -M, M) + M][None]
+    w = jax.nn.softmax(jnp.where(s <= t + 100, logits, -jnp.inf), -1)
+    o = jnp.einsum("bnts,bsnd->btnd", w, jnp.repeat(v, 2, 2))
+    return jnp.sum(o * jnp.cos(o))
+
+  got = jax.grad(loss, argnums=range(4))(q, k, v, table)
+  with jax.enable_x64(True):
+    want = jax.grad(dense, argnums=range(4))(
+        *(jnp.asarray(a, jnp.float64) for a in (q, k, v, table)))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+
+
+def test_relative_bias_export_fwd_and_grad():
+  q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((4, 65), jnp.float32)
+
+  def loss(q, k, v, table):
+    m = Modifiers(mods=build_mods(jattn.mods.causal(), jattn.mods.relative_bias(table), None,
+                                  None, N=4), scale=0.1)
+    p = flex_tpu.plan(B=1, T=512, S=1024, N=4, K=2, H=128, D=128, dtype=q.dtype, modifiers=m)
+    assert not isinstance(p, str), p
+    return jnp.sum(flex_tpu.run(p, q, k, v, m, Layout("BTNH"))[0].astype(jnp.float32))
+
+  text = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
+                           platforms=["tpu"])(q, k, k, table).mlir_module()
+  for name in ("jattn_flex_tpu_fwd", "jattn_flex_tpu_dq", "jattn_flex_tpu_dkv"):
+    assert name in text, name
+  assert not re.search(r"tensor<[^>]*\b512x1024", text)

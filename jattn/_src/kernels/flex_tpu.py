@@ -71,6 +71,9 @@ class Plan:
   skip: bool = False
   # ((const index, "t" or "s"), ...): mask_mod's per-token arrays, read as blocks
   mask_rows: tuple = ()
+  # (const index, ...): score_mod's tables read at a tile of indices (a relative bias),
+  # in VMEM, gathered along the lanes; their gradients by the blockwise backward
+  score_tables: tuple = ()
 
   @property
   def T_padded(self) -> int:
@@ -126,7 +129,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     return "a traced scale: the kernel takes a Python number"
   mods = m.mods
   has_mask = has_score = False
-  score_reads = mask_rows = ()
+  score_reads = mask_rows = score_tables = ()
   if mods is not None:
     if mods.block_mask is not None and not mods.has_mask:
       return "a block_mask without its mask_mod"
@@ -138,12 +141,18 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
       got = tile_mods.check(jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
       if isinstance(got, str):
         return f"{kind}: {got}"
-      reads, rows = got
-      reason = tile_mods.check_consts(consts, skip={ci for ci, _ in rows})
+      reads, rows, tables = got
+      reason = tile_mods.check_consts(consts, skip={ci for ci, _ in rows} | set(tables))
       if reason:
         return f"{kind}: {reason}"
       if kind == "score_mod":
-        score_reads = reads
+        score_reads, score_tables = reads, tables
+        for ci in tables:
+          if np.shape(consts[ci])[-1] > (block_kv or 512):
+            return (f"score_mod: a table of width {np.shape(consts[ci])[-1]} read at "
+                    f"positions; the kernel gathers from at most block_kv entries")
+        if tables:  # the tables' gradients (and so all of score_mod's) by blockwise
+          score_reads = ()
       else:
         mask_rows = rows
     has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
@@ -159,7 +168,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, has_score, bool(interpret), score_reads,
               bool(skip) and (has_mask or bool(st.is_causal) or window is not None),
-              mask_rows)
+              mask_rows, score_tables)
 
 
 def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
@@ -198,12 +207,26 @@ def _backward(plan_, layout, residuals, cotangents):
     blayout = _batched(layout)
     d_sinks = None if mods.sinks is None else sinks_grad(
         o, lse, d_o, mods.sinks, blayout.out).astype(mods.sinks.dtype)
+    if plan_.score_tables:
+      d_consts = _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse,
+                                         d_out)
     d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
   return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
           modifiers.gradients(bias=None, mods=d_mods))
 
 
 _attention.defvjp(_forward, _backward)
+
+
+def _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out):
+  """Gradients into score_mod's float arrays when it reads a table at positions: by
+  jattn's blockwise backward (pure JAX, memory linear in T and S), not in a kernel."""
+  from jattn._src.impl import blockwise_loop
+  from jattn._src.impl.block_sizes import BlockSizes
+  q, k, v, o, d_o = (_with_batch(x, layout) for x in (query, key, value, out, d_out))
+  return blockwise_loop.backward_with_score_grads(
+      q, k, v, modifiers, _batched(layout), 0, 0, BlockSizes(plan_.block_q, plan_.block_kv),
+      o, lse, d_o)[4]
 
 
 def _batched(layout: Layout) -> Layout:
@@ -246,8 +269,36 @@ def _tile_mods(mods, p: Plan):
                  tile_mods.consts_meta(score_consts))
   rows = {ci for ci, _ in p.mask_rows}
   smem = [jnp.zeros((1,), jnp.int32) if i in rows else _to_smem(c)  # a placeholder
-          for i, c in enumerate(mask_consts)] + [_to_smem(c) for c in score_consts]
-  return tm, smem, _row_arrays(p, mask_consts)
+          for i, c in enumerate(mask_consts)]
+  smem += [jnp.zeros((1,), jnp.int32) if i in p.score_tables else _to_smem(c)
+           for i, c in enumerate(score_consts)]
+  return tm, smem, _row_arrays(p, mask_consts) + _table_arrays(p, score_consts)
+
+
+def _table_arrays(p: Plan, score_consts):
+  """A table x [W] or [R, W] -> [R, 8, block_kv] (rows along the sublanes, zero-padded
+  to the tile's width), all in VMEM, for a gather along the lanes."""
+  arrays = []
+  for ci in p.score_tables:
+    x = jnp.asarray(score_consts[ci])
+    x = x.reshape((1,) * (2 - x.ndim) + x.shape)
+    x = jnp.pad(x, ((0, 0), (0, p.block_kv - x.shape[1])))
+    arrays.append(jnp.broadcast_to(x[:, None, :], (x.shape[0], 8, p.block_kv)))
+  return arrays
+
+
+def _table_specs(p: Plan, arrays):
+  return [pl.BlockSpec(x.shape, lambda *g: (0, 0, 0)) for x in arrays]
+
+
+def _table_reader(p: Plan, table_refs):
+  refs = dict(zip(p.score_tables, table_refs))
+
+  def read_table(ci, row, index):
+    x = refs[ci][row]  # [8, bk]
+    x = jnp.broadcast_to(x[0:1, :], (p.block_q, p.block_kv))
+    return jnp.take_along_axis(x, index, axis=1)
+  return read_table
 
 
 def _row_arrays(p: Plan, mask_consts):
@@ -270,8 +321,9 @@ def _row_arrays(p: Plan, mask_consts):
 
 
 def _row_specs(p: Plan, row_arrays, q_tile, kv_tile):
-  """BlockSpecs of the row arrays: every row X at once, the tile of the grid step;
-  q_tile(*grid indices) / kv_tile(*grid indices) -> the query / key tile index."""
+  """BlockSpecs of the row arrays (then the tables): every row X at once, the tile of
+  the grid step; q_tile(*grid indices) / kv_tile(*grid indices) -> the tile index."""
+
   specs = []
   for (ci, letter), x in zip(p.mask_rows, row_arrays):
     if letter == "t":
@@ -280,12 +332,12 @@ def _row_specs(p: Plan, row_arrays, q_tile, kv_tile):
     else:
       specs.append(pl.BlockSpec((x.shape[0], 8, p.block_kv),
                                 lambda *g, f=kv_tile: (0, 0, f(*g[:4]))))
-  return specs
+  return specs + _table_specs(p, row_arrays[len(p.mask_rows):])
 
 
 def _block_reader(p: Plan, tm, row_refs):
   """read_block for tile_mods.evaluate: the [bq, bk] tile of x[row, t] or x[row, s]."""
-  refs = dict(zip(p.mask_rows, row_refs))
+  refs = dict(zip(p.mask_rows, row_refs[:len(p.mask_rows)]))
 
   def read_block(ci, letter, row):
     x = refs[ci, letter][row]  # [bq, 128] or [8, bk]
@@ -343,7 +395,8 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
         return value
 
       y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
-                             tile, positions={3: "t", 4: "s"})[0]
+                             tile, positions={3: "t", 4: "s"},
+                             read_table=_table_reader(p, row_refs[len(p.mask_rows):]))[0]
       return jnp.broadcast_to(y, tile).astype(jnp.float32), tuple(flats)
     if with_vjp:
       eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads) if read_grads else ()
@@ -543,7 +596,7 @@ def _split_refs(refs, tables, tm):
 
 def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
   table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
-  nr = len(p.mask_rows)
+  nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref = rest[:3]
   row_refs = rest[3:3 + nr]
   o_ref, lse_ref, m_sc, l_sc, acc_sc = rest[3 + nr:]
@@ -722,7 +775,7 @@ def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grad
 def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
   table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
   reads = bool(p.score_reads)
-  nr = len(p.mask_rows)
+  nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
   row_refs, rest = rest[6:6 + nr], rest[6 + nr:]
   if reads:  # one [8, 128] tile per program: lane r holds read r's gradient / flat index
@@ -772,7 +825,7 @@ def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
 def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
   table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
-  nr = len(p.mask_rows)
+  nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
   row_refs = rest[6:6 + nr]
   dk_ref, dv_ref, dk_sc, dv_sc = rest[6 + nr:]

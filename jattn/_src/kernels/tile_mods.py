@@ -69,7 +69,7 @@ def _is_tile(x) -> bool:
 
 
 def evaluate(jaxpr, consts_meta, read, args, tile_shape, *, positions=None,
-             read_block=None):
+             read_block=None, read_table=None):
   """jaxpr (open, its constvars = the Mods consts) on args (scalars or tiles) -> list.
 
   consts_meta: [(shape, dtype)] per const; read(i, flat_index) -> that element
@@ -77,16 +77,19 @@ def evaluate(jaxpr, consts_meta, read, args, tile_shape, *, positions=None,
   the arguments that are the position tiles; read_block(i, letter, row) -> the
   tile x[row, t] (letter "t") or x[row, s] of const i (a 1-D const: row 0), for a
   captured per-token array indexed by the position itself. Without read_block
-  such a read is `Unsupported`.
+  such a read is `Unsupported`. read_table(i, row, index) -> the tile x[row, index]
+  of a small table i at a [bq, bk] tile of int32 indices (already clamped), e.g.
+  a relative-bias table at clip(s - t) + M; without it such a read is `Unsupported`.
   """
   consts = [_Const(i, shape, dtype) for i, (shape, dtype) in enumerate(consts_meta)]
   tags = {k: ("at", c) for k, c in (positions or {}).items()}
-  return _evaluate(jaxpr, consts, _Ctx(read, read_block, tile_shape), args, tags)
+  return _evaluate(jaxpr, consts, _Ctx(read, read_block, tile_shape, read_table), args, tags)
 
 
 class _Ctx:
-  def __init__(self, read, read_block, tile_shape):
+  def __init__(self, read, read_block, tile_shape, read_table=None):
     self.read, self.read_block, self.tile_shape = read, read_block, tile_shape
+    self.read_table = read_table
 
 
 class _Row:
@@ -168,6 +171,16 @@ def _eqn(eqn, ins, in_tags, ctx):
   # A captured scalar (a traced cap) is read where it is used.
   ins = [read(x.index, jnp.int32(0)) if isinstance(x, _Const) and x.shape == () else x
          for x in ins]
+  if (name == "dynamic_slice" and isinstance(ins[0], _Const) and ctx.read_table is not None
+      and _is_tile(ins[-1]) and not any(_is_tile(x) for x in ins[1:-1])
+      and len(ins[0].shape) in (1, 2) and all(s == 1 for s in eqn.params["slice_sizes"])):
+    const = ins[0]
+    width = const.shape[-1]  # dynamic_slice clamps its starts
+    index = jnp.minimum(jnp.maximum(ins[-1].astype(jnp.int32), 0), width - 1)
+    row = jnp.int32(0)
+    if len(const.shape) == 2:
+      row = jnp.minimum(jnp.maximum(ins[1].astype(jnp.int32), 0), const.shape[0] - 1)
+    return [_Row(ctx.read_table(const.index, row, index))]
   if any(isinstance(x, _Const) for x in ins):
     return [_read_const(eqn, ins, read)]
   if any(isinstance(x, _Element) for x in ins):
@@ -271,9 +284,14 @@ def check(jaxpr, meta, score: bool) -> str | tuple:
   (the const index of every read of a floating captured array, in evaluation order:
   the reads whose gradients the backward returns (`evaluate` always reads in this
   order), ((const index, "t" or "s"), ...) for the per-token arrays read by
-  position: mask_mod only)."""
+  position: mask_mod only, (const index, ...) for the tables read at a tile of
+  indices: score_mod only)."""
   tile = (8, 128)
-  reads, rows = [], set()
+  reads, rows, tables = [], set(), set()
+
+  def read_table(i, row, index):
+    tables.add(i)
+    return jnp.zeros(tile, meta[i][1])
 
   def read_block(i, letter, row):
     rows.add((i, letter))
@@ -292,7 +310,8 @@ def check(jaxpr, meta, score: bool) -> str | tuple:
 
   def f(*args):
     return evaluate(jaxpr, meta, read, args, tile, positions=positions,
-                    read_block=None if score else read_block)
+                    read_block=None if score else read_block,
+                    read_table=read_table if score else None)
 
   args = [jax.ShapeDtypeStruct((), jnp.int32)] * 2 + [jax.ShapeDtypeStruct(tile, jnp.int32)] * 2
   if score:
@@ -301,6 +320,6 @@ def check(jaxpr, meta, score: bool) -> str | tuple:
     jax.eval_shape(f, *args)  # a scalar result (of b and n alone) is broadcast by the caller
   except Unsupported as e:
     return str(e)
-  if {i for i, _ in rows} & scalar_reads:
+  if ({i for i, _ in rows} | tables) & scalar_reads:
     return "a captured array read both by position and as a scalar"
-  return tuple(reads), tuple(sorted(rows))
+  return tuple(reads), tuple(sorted(rows)), tuple(sorted(tables))
