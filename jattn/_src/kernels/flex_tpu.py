@@ -147,10 +147,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
         return f"{kind}: {reason}"
       if kind == "score_mod":
         score_reads, score_tables = reads, tables
-        for ci in tables:
-          if np.shape(consts[ci])[-1] > (block_kv or 512):
-            return (f"score_mod: a table of width {np.shape(consts[ci])[-1]} read at "
-                    f"positions; the kernel gathers from at most block_kv entries")
+        table_width = max([np.shape(consts[ci])[-1] for ci in tables], default=0)
         if tables:  # the tables' gradients (and so all of score_mod's) by blockwise
           score_reads = ()
       else:
@@ -161,6 +158,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
             f"(the backward returns at most {_LANES} read gradients per tile)")
   block_q = min(block_q or 128, _round_up(T, 8))
   block_kv = min(block_kv or 512, _round_up(S, _LANES))
+  if score_tables and table_width > block_kv:
+    return (f"score_mod: a table of width {table_width} read at positions; the kernel "
+            f"gathers from at most block_kv = {block_kv} entries")
   if block_q % 8 or block_kv % _LANES:
     return (f"tiles block_q = {block_q}, block_kv = {block_kv}: block_q must be a "
             "multiple of 8 and block_kv of 128")
