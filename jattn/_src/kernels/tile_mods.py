@@ -26,7 +26,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.extend import core as jex_core
 
 # Elementwise primitives (shape-free parameters): run on scalars or on tiles.
