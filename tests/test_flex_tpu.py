@@ -480,3 +480,14 @@ def test_relative_bias_export_fwd_and_grad():
   for name in ("jattn_flex_tpu_fwd", "jattn_flex_tpu_dq", "jattn_flex_tpu_dkv"):
     assert name in text, name
   assert not re.search(r"tensor<[^>]*\b512x1024", text)
+
+
+def test_block_tables_past_the_smem_budget_turn_skipping_off():
+  # a per-batch, per-head mask at B = 8, N = 32, T = S = 8192 would need 3 x 8 x 32 x 64 x 16
+  # int32 table entries in SMEM: the plan runs every tile instead; causal needs one [nq, nk]
+  def plan_for(mask_mod):
+    m = Modifiers(mods=build_mods(mask_mod, None, None, None, N=32))
+    return flex_tpu.plan(B=8, T=8192, S=8192, N=32, K=8, H=128, D=128, dtype=jnp.bfloat16,
+                         modifiers=m)
+  assert not plan_for(lambda b, n, t, s: (s <= t + n) & (t >= b)).skip
+  assert plan_for(jattn.mods.causal()).skip

@@ -41,6 +41,9 @@ from jattn._src.kernels.flex_tpu_kernels import (LANES as _LANES, backward, batc
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+# The block tables' SMEM budget (int32 entries, 256 KiB): past it the kernel runs
+# every tile (the same values, no skipping). Not measured against a TPU's SMEM.
+_MAX_TABLE_ENTRIES = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +166,15 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     return (f"tiles block_q = {block_q}, block_kv = {block_kv}: block_q must be a "
             "multiple of 8 and block_kv of 128")
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
+  skip = bool(skip) and (has_mask or bool(st.is_causal) or window is not None)
+  if skip:  # three int32 tables [B|1, N|1, nq, nk] in SMEM: without room, no skipping
+    per_b = has_mask and mods.mask_uses(0)
+    per_n = has_mask and mods.mask_uses(1)
+    entries = 3 * (B if per_b else 1) * (N if per_n else 1) * (
+        _round_up(T, block_q) // block_q) * (_round_up(S, block_kv) // block_kv)
+    skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
-              window, has_mask, has_score, bool(interpret), score_reads,
-              bool(skip) and (has_mask or bool(st.is_causal) or window is not None),
+              window, has_mask, has_score, bool(interpret), score_reads, skip,
               mask_rows, score_tables)
 
 
