@@ -1,0 +1,1 @@
+"""jattn's own Pallas kernels (TPU, Mosaic)."""

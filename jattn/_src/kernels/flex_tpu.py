@@ -1,0 +1,234 @@
+"""The "flex_tpu" kernel: flash attention in Pallas for TPU (Mosaic), with the
+user's mask_mod and score_mod evaluated inside the kernel on each tile.
+
+`plan(...)` looks only at static facts of a call and returns a hashable
+`Plan`, or a reason in words for what the kernel cannot take. `run(plan, ...)`
+has the contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T]).
+
+Grid (B, N, T / block_q, S / block_kv), the last axis sequential: each program
+holds one query tile [block_q, H] of head n and streams the key/value tiles of
+kv head n // G (the index map reads the shared kv head: K and V are never
+repeated per group). Online softmax in float32 in VMEM scratch (running max m
+and sum l lane-replicated [block_q, 128], accumulator [block_q, D]); the last
+kv step writes out and lse = m + log l. T and S are padded to the tiles, and
+the padded keys masked. Positions t, s are iota tiles; b and n the program's
+indices; the mods' captured arrays are in SMEM (scalar prefetch), see
+`tile_mods`. Sinks are applied to (out, lse) after the kernel, as blockwise does.
+The kernels are in `flex_tpu_kernels`; docs/tpu_kernel.md has the whole design.
+
+Backward: a custom VJP with two Pallas kernels recomputing the weights from
+out and lse (`backward`); gradients into sinks by XLA from (out, lse, d out);
+gradients into score_mod's captured float arrays: the dq kernel writes, per
+program, the gradient of each SMEM read and the read's index, and XLA sums them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.impl import blockwise_loop
+from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.kernels import tile_mods
+from jattn._src.kernels.flex_tpu_kernels import (LANES as _LANES, backward, batched, forward,
+                                                 with_batch)
+from jattn._src.masks.programmable import add_sinks, sinks_grad
+
+_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+# The block tables' SMEM budget (int32 entries, 256 KiB): past it the kernel runs
+# every tile (the same values, no skipping). Not measured against a TPU's SMEM.
+_MAX_TABLE_ENTRIES = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static the kernel is built from (hashable)."""
+
+  B: int
+  T: int
+  S: int
+  N: int
+  K: int
+  H: int
+  D: int
+  block_q: int
+  block_kv: int
+  scale: float
+  is_causal: bool
+  window: tuple | None
+  has_mask_mod: bool
+  has_score_mod: bool
+  interpret: bool
+  # const index of each read of a floating array captured by score_mod, in the order
+  # the tile evaluation reads them: the backward returns one gradient per read
+  score_reads: tuple = ()
+  # block-sparse skipping: EMPTY tiles neither fetched nor computed, FULL ones unmasked
+  skip: bool = False
+  # ((const index, "t" or "s"), ...): mask_mod's per-token arrays, read as blocks
+  mask_rows: tuple = ()
+  # (const index, ...): score_mod's tables read at a tile of indices (a relative bias),
+  # in VMEM, gathered along the lanes; their gradients by the blockwise backward
+  score_tables: tuple = ()
+
+  @property
+  def T_padded(self) -> int:
+    return _round_up(self.T, self.block_q)
+
+  @property
+  def S_padded(self) -> int:
+    return _round_up(self.S, self.block_kv)
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
+         modifiers: Modifiers, return_weights: bool = False,
+         block_q: int | None = None, block_kv: int | None = None,
+         interpret: bool = False, skip: bool = True) -> Plan | str:
+  """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
+
+  modifiers: the call's `Modifiers` (its arrays may be tracers or
+  ShapeDtypeStructs: only shapes, dtypes and the mods' jaxprs are read).
+  block_q (a multiple of 8) and block_kv (a multiple of 128): the tiles, by
+  default 128 and up to 512, clipped to the padded T and S.
+  interpret: run the Pallas kernel in interpret mode (any backend, for tests).
+  skip: skip EMPTY tiles and the masks of FULL ones, from the block classes
+  (computed in the call: closed forms for causal, windows and jattn.mods masks,
+  a given block_mask of these tiles, else mask_mod evaluated block by block).
+  """
+  m = modifiers
+  if return_weights:
+    return "return_weights: the kernel forms no [T, S] weights"
+  if np.dtype(dtype) not in _DTYPES:
+    return f"dtype {np.dtype(dtype)}: the kernel takes float32 and bfloat16"
+  if N % K:
+    return f"N = {N} is not a multiple of K = {K}"
+  if not (1 <= H <= 256 and 1 <= D <= 256):
+    return f"head sizes H = {H}, D = {D}: the kernel takes 1 to 256"
+  if min(B, T, S, N) < 1:
+    return "an empty axis (B, T, S or N is 0)"
+  if m.bias is not None:
+    return "a dense bias [.., T, S]: not read by the kernel (score_mod is)"
+  if m.mask is not None:
+    return "a dense mask [.., T, S]: not read by the kernel (mask_mod is)"
+  st = m.structure
+  if st.q_lengths is not None or st.kv_lengths is not None:
+    return "sequence lengths: not in the kernel yet"
+  if st.q_segment_ids is not None or st.kv_segment_ids is not None:
+    return "segment ids: not in the kernel yet"
+  if m.dropout is not None:
+    return "dropout: not in the kernel (no TPU PRNG path written yet)"
+  if not isinstance(m.scale, (int, float)):
+    return "a traced scale: the kernel takes a Python number"
+  mods = m.mods
+  has_mask = has_score = False
+  score_reads = mask_rows = score_tables = ()
+  if mods is not None:
+    if mods.block_mask is not None and not mods.has_mask:
+      return "a block_mask without its mask_mod"
+    mods = mods.traced()
+    for kind, jaxpr, consts in (("mask_mod", mods.mask_jaxpr, mods.mask_consts),
+                                ("score_mod", mods.score_jaxpr, mods.score_consts)):
+      if jaxpr is None:
+        continue
+      got = tile_mods.check(jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
+      if isinstance(got, str):
+        return f"{kind}: {got}"
+      reads, rows, tables = got
+      reason = tile_mods.check_consts(consts, skip={ci for ci, _ in rows} | set(tables))
+      if reason:
+        return f"{kind}: {reason}"
+      if kind == "score_mod":
+        score_reads, score_tables = reads, tables
+        table_width = max([np.shape(consts[ci])[-1] for ci in tables], default=0)
+        if tables:  # the tables' gradients (and so all of score_mod's) by blockwise
+          score_reads = ()
+      else:
+        mask_rows = rows
+    has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
+  if len(score_reads) > _LANES:
+    return (f"score_mod reads captured float arrays {len(score_reads)} times per entry "
+            f"(the backward returns at most {_LANES} read gradients per tile)")
+  block_q = min(block_q or 128, _round_up(T, 8))
+  block_kv = min(block_kv or 512, _round_up(S, _LANES))
+  if score_tables and table_width > block_kv:
+    return (f"score_mod: a table of width {table_width} read at positions; the kernel "
+            f"gathers from at most block_kv = {block_kv} entries")
+  if block_q % 8 or block_kv % _LANES:
+    return (f"tiles block_q = {block_q}, block_kv = {block_kv}: block_q must be a "
+            "multiple of 8 and block_kv of 128")
+  window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
+  skip = bool(skip) and (has_mask or bool(st.is_causal) or window is not None)
+  if skip:  # three int32 tables [B|1, N|1, nq, nk] in SMEM: without room, no skipping
+    per_b = has_mask and mods.mask_uses(0)
+    per_n = has_mask and mods.mask_uses(1)
+    entries = 3 * (B if per_b else 1) * (N if per_n else 1) * (
+        _round_up(T, block_q) // block_q) * (_round_up(S, block_kv) // block_kv)
+    skip = entries <= _MAX_TABLE_ENTRIES
+  return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
+              window, has_mask, has_score, bool(interpret), score_reads, skip,
+              mask_rows, score_tables)
+
+
+def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
+  """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
+  if modifiers.mods is not None:
+    modifiers = modifiers.replace(mods=modifiers.mods.traced())
+  out, lse = _attention(plan_, layout, query, key, value, modifiers)
+  if not layout.has_batch:
+    lse = lse[0]
+  return out, None, lse
+
+
+# ---------------------------------------------------------------- custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(plan_, layout, query, key, value, modifiers):
+  return _forward(plan_, layout, query, key, value, modifiers)[0]
+
+
+def _forward(plan_, layout, query, key, value, modifiers):
+  out, lse = forward(plan_, layout, query, key, value, modifiers.mods)
+  if modifiers.sinks is not None:
+    out, lse = add_sinks(out, lse, modifiers.sinks, batched(layout).out)
+  return (out, lse), (query, key, value, modifiers, out, lse)
+
+
+def _backward(plan_, layout, residuals, cotangents):
+  d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
+  query, key, value, modifiers, out, lse = residuals
+  mods = modifiers.mods
+  d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out)
+  d_mods = None
+  if mods is not None:
+    o, d_o = with_batch(out, layout), with_batch(d_out, layout)
+    blayout = batched(layout)
+    d_sinks = None if mods.sinks is None else sinks_grad(
+        o, lse, d_o, mods.sinks, blayout.out).astype(mods.sinks.dtype)
+    if plan_.score_tables:
+      d_consts = _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse,
+                                         d_out)
+    d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
+  return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
+          modifiers.gradients(bias=None, mods=d_mods))
+
+
+_attention.defvjp(_forward, _backward)
+
+
+def _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out):
+  """Gradients into score_mod's float arrays when it reads a table at positions: by
+  jattn's blockwise backward (pure JAX, memory linear in T and S), not in a kernel."""
+  q, k, v, o, d_o = (with_batch(x, layout) for x in (query, key, value, out, d_out))
+  return blockwise_loop.backward_with_score_grads(
+      q, k, v, modifiers, batched(layout), 0, 0, BlockSizes(plan_.block_q, plan_.block_kv),
+      o, lse, d_o)[4]

@@ -1,0 +1,659 @@
+"""The Pallas kernels of "flex_tpu" (see `flex_tpu` for the design): the forward,
+the dq and dk/dv backward kernels, and what they share: a tile's logits with the
+mods applied (`_tile_logits`), the mods' arrays in SMEM, per-token arrays and
+tables in VMEM, and the block tables that drive skipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jattn import mods as jattn_mods
+from jattn._src.core.layout import Layout
+from jattn._src.core.softmax import LARGE_NEGATIVE
+from jattn._src.kernels import tile_mods
+from jattn._src.masks.block_mask import classify
+from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL, closed_form_classes
+
+if TYPE_CHECKING:
+  from jattn._src.kernels.flex_tpu import Plan
+
+LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this wide
+_LANES = LANES
+
+def batched(layout: Layout) -> Layout:
+  return layout if layout.has_batch else Layout("B" + layout.query)
+
+
+def with_batch(x, layout):
+  return x if layout.has_batch else x[None]
+
+
+def without_batch(x, layout):
+  return x if layout.has_batch else x[0]
+
+
+# ---------------------------------------------------------------- shared pieces
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TileMods:
+  """The mods as the kernels see them: jaxprs (static) and their consts' shapes and dtypes."""
+
+  mask_jaxpr: object
+  score_jaxpr: object
+  mask_meta: tuple
+  score_meta: tuple
+
+  @property
+  def count(self) -> int:
+    return len(self.mask_meta) + len(self.score_meta)
+
+
+def _tile_mods(mods, p: Plan):
+  """(the static `_TileMods`, the consts as flat 32-bit arrays for SMEM, mask_mod's
+  per-token arrays as row arrays for VMEM blocks (`_row_arrays`))."""
+  mask_jaxpr = None if mods is None else mods.mask_jaxpr
+  score_jaxpr = None if mods is None else mods.score_jaxpr
+  mask_consts = () if mask_jaxpr is None else tuple(mods.mask_consts)
+  score_consts = () if score_jaxpr is None else tuple(mods.score_consts)
+  tm = _TileMods(mask_jaxpr, score_jaxpr, tile_mods.consts_meta(mask_consts),
+                 tile_mods.consts_meta(score_consts))
+  rows = {ci for ci, _ in p.mask_rows}
+  smem = [jnp.zeros((1,), jnp.int32) if i in rows else _to_smem(c)  # a placeholder
+          for i, c in enumerate(mask_consts)]
+  smem += [jnp.zeros((1,), jnp.int32) if i in p.score_tables else _to_smem(c)
+           for i, c in enumerate(score_consts)]
+  return tm, smem, _row_arrays(p, mask_consts) + _table_arrays(p, score_consts)
+
+
+def _table_arrays(p: Plan, score_consts):
+  """A table x [W] or [R, W] -> [R, 8, block_kv] (rows along the sublanes, zero-padded
+  to the tile's width), all in VMEM, for a gather along the lanes."""
+  arrays = []
+  for ci in p.score_tables:
+    x = jnp.asarray(score_consts[ci])
+    x = x.reshape((1,) * (2 - x.ndim) + x.shape)
+    x = jnp.pad(x, ((0, 0), (0, p.block_kv - x.shape[1])))
+    arrays.append(jnp.broadcast_to(x[:, None, :], (x.shape[0], 8, p.block_kv)))
+  return arrays
+
+
+def _table_specs(p: Plan, arrays):
+  return [pl.BlockSpec(x.shape, lambda *g: (0, 0, 0)) for x in arrays]
+
+
+def _table_reader(p: Plan, table_refs):
+  refs = dict(zip(p.score_tables, table_refs))
+
+  def read_table(ci, row, index):
+    x = refs[ci][row]  # [8, bk]
+    x = jnp.broadcast_to(x[0:1, :], (p.block_q, p.block_kv))
+    return jnp.take_along_axis(x, index, axis=1)
+  return read_table
+
+
+def _row_arrays(p: Plan, mask_consts):
+  """Per-token array x [L] or [X, L] read as x[row, t] -> int32/float32 [X, Tp, 128]
+  (each entry along the lanes), as x[row, s] -> [X, 8, Sp] (along the sublanes);
+  positions past L repeat x[.., L - 1], which is dynamic_slice's clamp."""
+  arrays = []
+  for ci, letter in p.mask_rows:
+    x = jnp.asarray(mask_consts[ci])
+    x = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    x = x.reshape((1,) * (2 - x.ndim) + x.shape)  # [X, L]
+    size = p.T_padded if letter == "t" else p.S_padded
+    x = x[:, :size]
+    x = jnp.pad(x, ((0, 0), (0, size - x.shape[1])), mode="edge")
+    if letter == "t":
+      arrays.append(jnp.broadcast_to(x[:, :, None], x.shape + (_LANES,)))
+    else:
+      arrays.append(jnp.broadcast_to(x[:, None, :], (x.shape[0], 8, size)))
+  return arrays
+
+
+def _row_specs(p: Plan, row_arrays, q_tile, kv_tile):
+  """BlockSpecs of the row arrays (then the tables): every row X at once, the tile of
+  the grid step; q_tile(*grid indices) / kv_tile(*grid indices) -> the tile index."""
+
+  specs = []
+  for (ci, letter), x in zip(p.mask_rows, row_arrays):
+    if letter == "t":
+      specs.append(pl.BlockSpec((x.shape[0], p.block_q, _LANES),
+                                lambda *g, f=q_tile: (0, f(*g[:4]), 0)))
+    else:
+      specs.append(pl.BlockSpec((x.shape[0], 8, p.block_kv),
+                                lambda *g, f=kv_tile: (0, 0, f(*g[:4]))))
+  return specs + _table_specs(p, row_arrays[len(p.mask_rows):])
+
+
+def _block_reader(p: Plan, tm, row_refs):
+  """read_block for tile_mods.evaluate: the [bq, bk] tile of x[row, t] or x[row, s]."""
+  refs = dict(zip(p.mask_rows, row_refs[:len(p.mask_rows)]))
+
+  def read_block(ci, letter, row):
+    x = refs[ci, letter][row]  # [bq, 128] or [8, bk]
+    x = _lanes(x, p.block_kv) if letter == "t" else jnp.broadcast_to(
+        x[0:1, :], (p.block_q, p.block_kv))
+    return x != 0 if tm.mask_meta[ci][1] == np.bool_ else x
+  return read_block
+
+
+def _to_smem(c):
+  """A captured array as a flat 32-bit array for SMEM (bool as int32)."""
+  c = jnp.asarray(c)
+  if c.dtype == jnp.bool_:
+    c = c.astype(jnp.int32)
+  return c.reshape(-1) if c.ndim != 1 else c
+
+
+def _reader(refs, meta):
+  def read(i, flat):
+    x = refs[i][flat]
+    return x != 0 if meta[i][1] == np.bool_ else x
+  return read
+
+
+def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vjp=False,
+                 read_grads=False, full=False, row_refs=()):
+  """One tile's logits after scale, score_mod and every mask.
+
+  -> (s float32 [bq, bk] with LARGE_NEGATIVE where masked, keep bool [bq, bk]
+  or None when nothing is masked, d_score). with_vjp: d_score(ds) -> ds through
+  score_mod; read_grads also: -> (that, (d every float read: scalars), (its flat
+  index into its array: int32 scalars)), in the order of `Plan.score_reads`.
+  full: a FULL tile, where causal, window and mask_mod hide nothing: only the
+  padding is masked.
+  """
+  bq, bk = p.block_q, p.block_kv
+  tile = (bq, bk)
+  mask_refs, score_refs = smem_refs[:len(tm.mask_meta)], smem_refs[len(tm.mask_meta):]
+  # [bq, bk] = q k^T, float32 on the MXU
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  s = s * p.scale
+  t_pos = i * bq + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
+  s_pos = j * bk + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
+  d_score = lambda ds: ds
+  if tm.score_jaxpr is not None:
+    def score(x, *eps):
+      # each float read plus its own zero eps: d loss / d eps = the read's gradient
+      base, flats = _reader(score_refs, tm.score_meta), []
+
+      def read(ci, flat):
+        value = base(ci, flat)
+        if read_grads and jnp.issubdtype(tm.score_meta[ci][1], jnp.floating):
+          value = value + eps[len(flats)]
+          flats.append(flat)
+        return value
+
+      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
+                             tile, positions={3: "t", 4: "s"},
+                             read_table=_table_reader(p, row_refs[len(p.mask_rows):]))[0]
+      return jnp.broadcast_to(y, tile).astype(jnp.float32), tuple(flats)
+    if with_vjp:
+      eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads) if read_grads else ()
+      s, vjp, flats = jax.vjp(score, s, *eps, has_aux=True)
+      if read_grads:
+        def d_score(ds):
+          grads = vjp(ds)
+          return grads[0], grads[1:], flats
+      else:
+        d_score = lambda ds: vjp(ds)[0]
+    else:
+      s = score(s)[0]
+  keep = None
+
+  def both(a, c):
+    return c if a is None else a & c
+
+  if p.S_padded != p.S:
+    keep = both(keep, s_pos < p.S)
+  if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
+    keep = both(keep, t_pos < p.T)
+  if p.is_causal and not full:
+    keep = both(keep, s_pos <= t_pos)
+  if p.window is not None and not full:
+    left, right = p.window
+    keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
+  if tm.mask_jaxpr is not None and not full:
+    mm = tile_mods.evaluate(tm.mask_jaxpr, tm.mask_meta, _reader(mask_refs, tm.mask_meta),
+                            [b, n, t_pos, s_pos], tile, positions={2: "t", 3: "s"},
+                            read_block=_block_reader(p, tm, row_refs))[0]
+    keep = both(keep, jnp.broadcast_to(mm, tile))
+  if keep is not None:
+    s = jnp.where(keep, s, LARGE_NEGATIVE)
+  return s, keep, d_score
+
+
+def _to_tiles(p: Plan, layout: Layout, query, key, value):
+  """-> q [B, N, Tp, H], k [B, K, Sp, H], v [B, K, Sp, D], padded with zeros."""
+  lay = batched(layout)
+  q = jnp.einsum(f"{lay.query}->BNTH", with_batch(query, layout))
+  k = jnp.einsum(f"{lay.key}->BKSH", with_batch(key, layout))
+  v = jnp.einsum(f"{lay.value}->BKSD", with_batch(value, layout))
+  return _pad_rows(q, p.T_padded), _pad_rows(k, p.S_padded), _pad_rows(v, p.S_padded)
+
+
+def _pad_rows(x, size):
+  return jnp.pad(x, ((0, 0), (0, 0), (0, size - x.shape[2]), (0, 0)))
+
+
+def _lanes(x, width: int):
+  """[rows, 128] lane-replicated -> [rows, width]."""
+  reps = -(-width // _LANES)
+  y = jnp.tile(x, (1, reps)) if reps > 1 else x
+  return y if width == y.shape[1] else y[:, :width]
+
+
+_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tables:
+  """Static shape of the block tables in SMEM: classes over [Bc, Nc, nq, nk], Bc in
+  (1, B), Nc in (1, N) (1 where the mask does not depend on b or n)."""
+
+  Bc: int
+  Nc: int
+  nq: int
+  nk: int
+
+  def at(self, b, n, i, j):
+    """Flat index of (b, n, i, j) in classes and kv_fetch ([Bc, Nc, nq, nk])."""
+    b = b if self.Bc > 1 else 0
+    n = n if self.Nc > 1 else 0
+    return ((b * self.Nc + n) * self.nq + i) * self.nk + j
+
+  def at_t(self, b, n, i, j):
+    """Flat index of (b, n, i, j) in q_fetch ([Bc, Nc, nk, nq])."""
+    b = b if self.Bc > 1 else 0
+    n = n if self.Nc > 1 else 0
+    return ((b * self.Nc + n) * self.nk + j) * self.nq + i
+
+
+def _block_tables(p: Plan, mods):
+  """-> (`_Tables`, [classes, kv_fetch, q_fetch] flat int32 for SMEM), or (None, []).
+
+  classes: EMPTY / PARTIAL / FULL per tile. kv_fetch[b, n, i, j]: the kv tile the
+  index map fetches at step j: j itself unless EMPTY, else the last non-empty one
+  before it (or the row's first non-empty one), so that Pallas, which copies only
+  when the block index changes, issues no DMA for an EMPTY tile. q_fetch: the same
+  along the query tiles, for the dk/dv kernel.
+  """
+  if not p.skip:
+    return None, []
+  bq, bk = p.block_q, p.block_kv
+  parts = []
+  if p.is_causal:
+    parts.append(closed_form_classes(jattn_mods.Causal(), 1, p.T, p.S, bq, bk))
+  if p.window is not None:
+    parts.append(closed_form_classes(jattn_mods.SlidingWindow(*p.window), 1, p.T, p.S, bq, bk))
+  if p.has_mask_mod:
+    nq, nk = p.T_padded // bq, p.S_padded // bk
+    bm = mods.block_mask
+    if bm is not None and bm.T == p.T and bm.S == p.S and tuple(bm.classes.shape[2:]) == (
+        nq, nk) and (bm.block_sizes.q, bm.block_sizes.kv) == (bq, bk):
+      classes = bm.classes
+    else:
+      classes = None
+      if mods.mask_mod is not None:
+        classes = closed_form_classes(mods.mask_mod, p.B, p.T, p.S, bq, bk)
+      if classes is None:
+        classes = classify(mods, p.B, p.N, p.T, p.S, bq, bk)
+        classes = classes[:None if mods.mask_uses(0) else 1, :None if mods.mask_uses(1) else 1]
+    parts.append(classes)
+  classes = parts[0].astype(jnp.int32)
+  for part in parts[1:]:  # AND of masks: the least class (EMPTY < PARTIAL < FULL)
+    classes = jnp.minimum(classes, part.astype(jnp.int32))
+  Bc, Nc, nq, nk = classes.shape
+  tables = _Tables(Bc, Nc, nq, nk)
+  kv_fetch = _fetch(classes != EMPTY, axis=3)
+  q_fetch = _fetch(jnp.swapaxes(classes, 2, 3) != EMPTY, axis=3)
+  return tables, [classes.reshape(-1), kv_fetch.reshape(-1), q_fetch.reshape(-1)]
+
+
+def _fetch(nonempty, axis: int):
+  """int32: along `axis`, each position's own index where nonempty, else the last
+  nonempty one before it, else the first nonempty one (0 if none)."""
+  index = jax.lax.broadcasted_iota(jnp.int32, nonempty.shape, axis)
+  last = jax.lax.cummax(jnp.where(nonempty, index, -1), axis=axis)
+  first = jnp.argmax(nonempty, axis=axis, keepdims=True).astype(jnp.int32)
+  return jnp.where(last >= 0, last, first)
+
+
+def _gated(tables, table_refs, b, n, i, j, step):
+  """step(full) on this tile: skipped if EMPTY, step(True) if FULL, step(False) if PARTIAL;
+  without tables, step(False) always."""
+  if tables is None:
+    step(False)
+    return
+  cls = table_refs[0][tables.at(b, n, i, j)]
+  pl.when(cls == FULL)(lambda: step(True))
+  pl.when(cls == PARTIAL)(lambda: step(False))
+
+
+# ---------------------------------------------------------------- forward kernel
+
+
+def forward(plan_: Plan, layout: Layout, query, key, value, mods):
+  """-> (out in the query's layout with D, lse float32 [B, N, T]); no sinks."""
+  p = plan_
+  q, k, v = _to_tiles(p, layout, query, key, value)
+  tm, smem, row_arrays = _tile_mods(mods, p)
+  tables, table_arrays = _block_tables(p, mods)
+  G = p.N // p.K
+  bq, bk = p.block_q, p.block_kv
+  Tp, Sp = p.T_padded, p.S_padded
+  kv = _kv_index(tables, G)
+  in_specs = [
+      pl.BlockSpec((None, None, bq, p.H), lambda b, n, i, j, *_: (b, n, i, 0)),
+      pl.BlockSpec((None, None, bk, p.H), kv),
+      pl.BlockSpec((None, None, bk, p.D), kv),
+  ] + _row_specs(p, row_arrays, lambda b, n, i, j: i, lambda b, n, i, j: j)
+  out_specs = [
+      pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
+      pl.BlockSpec((None, None, bq, _LANES), lambda b, n, i, j, *_: (b, n, i, 0)),
+  ]
+  out, lse = pl.pallas_call(
+      functools.partial(_forward_kernel, p=p, tm=tm, tables=tables),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.N, Tp // bq, Sp // bk),
+          in_specs=in_specs, out_specs=out_specs,
+          scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
+                          pltpu.VMEM((bq, _LANES), jnp.float32),
+                          pltpu.VMEM((bq, p.D), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct((p.B, p.N, Tp, p.D), query.dtype),
+                 jax.ShapeDtypeStruct((p.B, p.N, Tp, _LANES), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+      interpret=p.interpret,
+      name="jattn_flex_tpu_fwd",
+  )(*table_arrays, *smem, q, k, v, *row_arrays)
+  out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T])
+  return without_batch(out, layout), lse[:, :, :p.T, 0]
+
+
+def _kv_index(tables, G):
+  """The k/v index map: kv head n // G, kv tile j (or, EMPTY, the one already fetched)."""
+  if tables is None:
+    return lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)
+  return lambda b, n, i, j, cls, kv_fetch, *_: (
+      b, jax.lax.div(n, G), kv_fetch[tables.at(b, n, i, j)], 0)
+
+
+def _split_refs(refs, tables, tm):
+  """-> (block table refs, mods' SMEM refs, the rest)."""
+  nt = 0 if tables is None else 3
+  return refs[:nt], refs[nt:nt + tm.count], refs[nt + tm.count:]
+
+
+def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
+  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
+  nr = len(p.mask_rows) + len(p.score_tables)
+  q_ref, k_ref, v_ref = rest[:3]
+  row_refs = rest[3:3 + nr]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = rest[3 + nr:]
+  b, n, i, j = (pl.program_id(a) for a in range(4))
+
+  @pl.when(j == 0)
+  def _init():
+    m_sc[...] = jnp.full(m_sc.shape, LARGE_NEGATIVE, jnp.float32)
+    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+  _gated(tables, table_refs, b, n, i, j, lambda full: _forward_step(
+      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full, row_refs))
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    l, m = l_sc[...], m_sc[...]
+    seen = l > 0.0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    o_ref[...] = (acc_sc[...] * _lanes(inv, p.D)).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
+
+
+def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full,
+                  row_refs):
+  s, _, _ = _tile_logits(p, tm, smem_refs, b, n, i, j, q_ref[...], k_ref[...], full=full,
+                         row_refs=row_refs)
+  m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 128]
+  m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
+  # A row that has seen no visible key keeps m = LARGE_NEGATIVE: shift it by 0
+  # instead, so that its masked logits give exp(LARGE_NEGATIVE) = 0, not 1.
+  shift = jnp.where(m_next > LARGE_NEGATIVE, m_next, 0.0)
+  probs = jnp.exp(s - _lanes(shift, p.block_kv))  # [bq, bk]
+  alpha = jnp.exp(m_prev - m_next)  # [bq, 128]
+  l_sc[...] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
+  m_sc[...] = m_next
+  v = v_ref[...]
+  pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32)  # [bq, D]
+  acc_sc[...] = acc_sc[...] * _lanes(alpha, p.D) + pv
+
+
+# ---------------------------------------------------------------- backward kernels
+
+
+def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_out):
+  """Gradients into query, key, value (their layouts and dtypes) from the final out and
+  lse [B, N, T] (sinks included): the weights are recomputed tile by tile.
+
+  Two kernels: dq on the grid (B, N, T / bq, S / bk), keys sequential; dk and dv on
+  (B, K, S / bk, G T / bq), the G query heads of kv head k and their query tiles
+  sequential, so that dk and dv are summed over the group in VMEM, never by atomics.
+  """
+  p = plan_
+  q, k, v = _to_tiles(p, layout, query, key, value)
+  lay = batched(layout)
+  o = jnp.einsum(f"{lay.out}->BNTD", with_batch(out, layout)).astype(jnp.float32)
+  do = jnp.einsum(f"{lay.out}->BNTD", with_batch(d_out, layout))
+  # delta [B, N, T] = sum_D dO * O: the row term of d softmax
+  delta = jnp.sum(do.astype(jnp.float32) * o, axis=-1)
+  do = _pad_rows(do.astype(query.dtype), p.T_padded)
+  rows = lambda x: _pad_rows(jnp.broadcast_to(x[..., None], x.shape + (_LANES,)), p.T_padded)
+  lse_l, delta_l = rows(lse.astype(jnp.float32)), rows(delta)  # [B, N, Tp, 128]
+  tm, smem, row_arrays = _tile_mods(mods, p)
+  tables, table_arrays = _block_tables(p, mods)
+  G = p.N // p.K
+  bq, bk = p.block_q, p.block_kv
+  Tp, Sp = p.T_padded, p.S_padded
+  nq, nk = Tp // bq, Sp // bk
+  row = lambda b, n, i, j, *_: (b, n, i, 0)
+  kv = _kv_index(tables, G)
+  dq_out_specs = [pl.BlockSpec((None, None, bq, p.H), row)]
+  dq_out_shape = [jax.ShapeDtypeStruct((p.B, p.N, Tp, p.H), jnp.float32)]
+  if p.score_reads:  # per program (b, n, i, j): an [8, 128] tile of read gradients, indices
+    tile8 = pl.BlockSpec((None, None, None, 8, _LANES), lambda b, n, i, j, *_: (b, n, i, j, 0))
+    dq_out_specs += [tile8, tile8]
+    dq_out_shape += [jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.float32),
+                     jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.int32)]
+  dq, *read_parts = pl.pallas_call(
+      functools.partial(_dq_kernel, p=p, tm=tm, tables=tables),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.N, nq, nk),
+          in_specs=[pl.BlockSpec((None, None, bq, p.H), row),
+                    pl.BlockSpec((None, None, bk, p.H), kv),
+                    pl.BlockSpec((None, None, bk, p.D), kv),
+                    pl.BlockSpec((None, None, bq, p.D), row),
+                    pl.BlockSpec((None, None, bq, _LANES), row),
+                    pl.BlockSpec((None, None, bq, _LANES), row)]
+          + _row_specs(p, row_arrays, lambda b, n, i, j: i, lambda b, n, i, j: j),
+          out_specs=dq_out_specs,
+          scratch_shapes=[pltpu.VMEM((bq, p.H), jnp.float32)]),
+      out_shape=dq_out_shape,
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+      interpret=p.interpret,
+      name="jattn_flex_tpu_dq",
+  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l, *row_arrays)
+
+  # grid (b, kv head c, kv tile j, r = g nq + i): query head n = c G + g, query tile i
+  if tables is None:
+    qrow = lambda b, c, j, r, *_: (b, c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq), 0)
+  else:  # an EMPTY tile re-points to the query tile already fetched
+    def qrow(b, c, j, r, cls, kv_fetch, q_fetch, *_):
+      n, i = c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq)
+      return (b, n, q_fetch[tables.at_t(b, n, i, j)], 0)
+  kvrow = lambda b, c, j, r, *_: (b, c, j, 0)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, p=p, tm=tm, nq=nq, G=G, tables=tables),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.K, nk, G * nq),
+          in_specs=[pl.BlockSpec((None, None, bq, p.H), qrow),
+                    pl.BlockSpec((None, None, bk, p.H), kvrow),
+                    pl.BlockSpec((None, None, bk, p.D), kvrow),
+                    pl.BlockSpec((None, None, bq, p.D), qrow),
+                    pl.BlockSpec((None, None, bq, _LANES), qrow),
+                    pl.BlockSpec((None, None, bq, _LANES), qrow)]
+          + _row_specs(p, row_arrays, lambda b, c, j, r: jax.lax.rem(r, nq),
+                       lambda b, c, j, r: j),
+          out_specs=[pl.BlockSpec((None, None, bk, p.H), kvrow),
+                     pl.BlockSpec((None, None, bk, p.D), kvrow)],
+          scratch_shapes=[pltpu.VMEM((bk, p.H), jnp.float32),
+                          pltpu.VMEM((bk, p.D), jnp.float32)]),
+      out_shape=[jax.ShapeDtypeStruct((p.B, p.K, Sp, p.H), jnp.float32),
+                 jax.ShapeDtypeStruct((p.B, p.K, Sp, p.D), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
+      interpret=p.interpret,
+      name="jattn_flex_tpu_dkv",
+  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l, *row_arrays)
+  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T])
+  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S])
+  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S])
+  grads = tuple(without_batch(x, layout) for x in (dq, dk, dv))
+  return grads + (_consts_grads(p, tm, read_parts, nq, nk),)
+
+
+def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple:
+  """float32 gradient of each float array score_mod captured (None for the others),
+  from the dq kernel's per-program read gradients: summed by XLA in a fixed order
+  (a one-hot contraction, no scatter, no atomics), so the same bits every run."""
+  grads = [None] * len(tm.score_meta)
+  if not p.score_reads:
+    return tuple(grads)
+  R = len(p.score_reads)
+  d_reads, flats = (x.reshape(p.B, p.N, nq, nk, 8, _LANES)[..., 0, :R] for x in read_parts)
+  d_reads = jnp.sum(d_reads, axis=(2, 3))  # [B, N, R]
+  # [B, N, R]: a read's index depends on b and n alone; EMPTY tiles wrote -1
+  flats = jnp.max(flats, axis=(2, 3))
+  for ci, (shape, dtype) in enumerate(tm.score_meta):
+    if not jnp.issubdtype(dtype, jnp.floating):
+      continue
+    size = int(np.prod(shape, dtype=np.int64))
+    mine = np.asarray([r == ci for r in p.score_reads])  # [R]
+    # [B, N, R, size] one-hot of each read's flat index
+    onehot = (flats[..., None] == jnp.arange(size, dtype=jnp.int32)) & mine[:, None]
+    grads[ci] = jnp.einsum("bnr,bnrf->f", d_reads, onehot.astype(jnp.float32)).reshape(shape)
+  return tuple(grads)
+
+
+def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grads=False,
+                full=False, row_refs=()):
+  """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32); read_grads: also the
+  gradients of the float reads of score_mod's arrays and their flat indices."""
+  s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
+                                  read_grads=read_grads, full=full, row_refs=row_refs)
+  probs = jnp.exp(s - _lanes(lse, p.block_kv))
+  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
+    probs = jnp.where(keep, probs, 0.0)
+  # dP [bq, bk] = dO v^T
+  dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  ds = probs * (dp - _lanes(delta, p.block_kv))
+  if read_grads:
+    d_x, d_reads, flats = d_score(ds)
+    return probs, d_x * p.scale, d_reads, flats
+  return probs, d_score(ds) * p.scale
+
+
+def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
+  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
+  reads = bool(p.score_reads)
+  nr = len(p.mask_rows) + len(p.score_tables)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
+  row_refs, rest = rest[6:6 + nr], rest[6 + nr:]
+  if reads:  # one [8, 128] tile per program: lane r holds read r's gradient / flat index
+    dq_ref, dr_ref, fr_ref, dq_sc = rest
+  else:
+    dq_ref, dq_sc = rest
+    dr_ref = fr_ref = None
+  b, n, i, j = (pl.program_id(a) for a in range(4))
+
+  @pl.when(j == 0)
+  def _init():
+    dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+  if reads:  # an EMPTY tile reads nothing: gradient 0 at index -1
+    dr_ref[...] = jnp.zeros(dr_ref.shape, jnp.float32)
+    fr_ref[...] = jnp.full(fr_ref.shape, -1, jnp.int32)
+  _gated(tables, table_refs, b, n, i, j, lambda full: _dq_step(
+      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_sc,
+      dr_ref, fr_ref, full, row_refs))
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    dq_ref[...] = dq_sc[...]
+
+
+def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+             dq_sc, dr_ref, fr_ref, full, row_refs):
+  reads = dr_ref is not None
+  k = k_ref[...]
+  got = _tile_grads(p, tm, smem_refs, b, n, i, j, q_ref[...], k, v_ref[...], do_ref[...],
+                    lse_ref[...], delta_ref[...], read_grads=reads, full=full,
+                    row_refs=row_refs)
+  ds = got[1]
+  if reads:
+    lane = jax.lax.broadcasted_iota(jnp.int32, (8, _LANES), 1)
+    d_tile = jnp.zeros((8, _LANES), jnp.float32)
+    f_tile = jnp.zeros((8, _LANES), jnp.int32)
+    for r, (d, f) in enumerate(zip(got[2], got[3])):
+      d_tile = jnp.where(lane == r, d, d_tile)
+      f_tile = jnp.where(lane == r, f, f_tile)
+    dr_ref[...] = d_tile
+    fr_ref[...] = f_tile
+  # dQ [bq, H] += dS k
+  dq_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+
+
+def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
+  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
+  nr = len(p.mask_rows) + len(p.score_tables)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
+  row_refs = rest[6:6 + nr]
+  dk_ref, dv_ref, dk_sc, dv_sc = rest[6 + nr:]
+  b, c, j, r = (pl.program_id(a) for a in range(4))
+  n, i = c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq)
+
+  @pl.when(r == 0)
+  def _init():
+    dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+    dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+  _gated(tables, table_refs, b, n, i, j, lambda full: _dkv_step(
+      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_sc,
+      dv_sc, full, row_refs))
+
+  @pl.when(r == pl.num_programs(3) - 1)
+  def _finish():
+    dk_ref[...] = dk_sc[...]
+    dv_ref[...] = dv_sc[...]
+
+
+def _dkv_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+              dk_sc, dv_sc, full, row_refs):
+  q, do = q_ref[...], do_ref[...]
+  probs, ds = _tile_grads(p, tm, smem_refs, b, n, i, j, q, k_ref[...], v_ref[...], do,
+                          lse_ref[...], delta_ref[...], full=full, row_refs=row_refs)
+  # dV [bk, D] += P^T dO ; dK [bk, H] += dS^T q
+  dv_sc[...] += jax.lax.dot_general(probs.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+  dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
