@@ -491,3 +491,42 @@ def test_block_tables_past_the_smem_budget_turn_skipping_off():
                          modifiers=m)
   assert not plan_for(lambda b, n, t, s: (s <= t + n) & (t >= b)).skip
   assert plan_for(jattn.mods.causal()).skip
+
+
+def test_through_dot_product_attention_values_and_gradients():
+  """implementation="flex_tpu" by name (interpreted): a hand-written mask with grouped heads,
+  ALiBi and sinks, values and gradients of q, k, v and sinks against float64 NumPy."""
+  from jattn import mods
+  from jattn._src.impl.interpret import pallas_interpret
+  from tests.reference import reference_mods
+
+  rng = np.random.default_rng(3)
+  B, T, N, K, H = 1, 40, 4, 2, 16
+  q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+  k, v = (rng.standard_normal((B, T, K, H)).astype(np.float32) for _ in "kv")
+  slopes, sinks = np.linspace(0.1, 0.4, N).astype(np.float32), np.linspace(-1, 1, N).astype(np.float32)
+  mask_mod = lambda b, n, t, s: (s <= t) & ((t - s) % 3 != 1)
+  t_, s_ = np.arange(T)[:, None], np.arange(T)[None, :]
+  allowed = (s_ <= t_) & ((t_ - s_) % 3 != 1)
+  score = lambda l: l + slopes[None, :, None, None] * (s_ - t_)
+  cot = rng.standard_normal((B, T, N, H))
+
+  def loss(q, k, v, sinks):
+    out = jattn.dot_product_attention(q, k, v, implementation="flex_tpu", mask_mod=mask_mod,
+                                      score_mod=mods.alibi(slopes), sinks=sinks)
+    return jnp.sum(out * cot), out
+
+  with pallas_interpret():
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        q, k, v, sinks)
+  want, _ = reference_mods(q, k, v, allowed=allowed, score=score, sinks=sinks)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+  # gradients by central differences of the float64 reference along random directions
+  for i, (x, g) in enumerate(zip((q, k, v, sinks), grads)):
+    d = rng.standard_normal(x.shape)
+    f = lambda e: np.sum(reference_mods(*[y + e * d if j == i else y for j, y in
+                                          enumerate((q, k, v))], allowed=allowed, score=score,
+                                        sinks=sinks + e * d if i == 3 else sinks)[0] * cot)
+    numeric = (f(1e-4) - f(-1e-4)) / 2e-4
+    np.testing.assert_allclose(np.sum(np.asarray(g, np.float64) * d), numeric, rtol=2e-4,
+                               atol=2e-4, err_msg=f"gradient {i}")

@@ -22,6 +22,7 @@ from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.blockwise import blockwise_attention
 from jattn._src.impl.vmap import vmapped_attention
 from jattn._src.impl.xla import xla_attention
+from jattn._src.kernels import flex_tpu
 
 # The platforms a program is lowered for, as jax.lax.platform_dependent names
 # them. "rocm" stands for every accelerator without a kernel of its own here.
@@ -89,6 +90,23 @@ def _blockwise_plan(call, platform):
   return BlockwisePlan(call.block_sizes or default_block_sizes(platform))
 
 
+def _flex_tpu_plan(call, platform):
+  if call.has_mods and call.modifiers.mods.block_mask is not None:
+    block = call.block_sizes
+  else:
+    block = None
+  if not isinstance(call.scale, (int, float)):
+    return "a traced scale: the kernel takes a Python number"
+  d = call.dims
+  # the kernel reads the scale as a constant, and the ready-made mask mods traced
+  modifiers = call.modifiers.replace(scale=float(call.scale))
+  return flex_tpu.plan(B=d.B, T=d.T, S=d.S, N=d.N, K=d.K, H=d.H, D=d.D, dtype=call.dtype,
+                       modifiers=modifiers, return_weights=call.return_weights,
+                       block_q=None if block is None else block.q,
+                       block_kv=None if block is None else block.kv,
+                       interpret=call.interpret)
+
+
 IMPLEMENTATIONS = {
     "xla": Implementation(
         "xla", _dense_plan, lambda plan, *args: xla_attention(*args)),
@@ -105,6 +123,8 @@ IMPLEMENTATIONS = {
     "pallas": Implementation(
         "pallas", kernel_plans.pallas_plan, fused.pallas_implementation,
         platforms=("cuda",), interpretable=True),
+    "flex_tpu": Implementation(  # jattn's own TPU kernel: any mask_mod / score_mod
+        "flex_tpu", _flex_tpu_plan, flex_tpu.run, platforms=("tpu",), interpretable=True),
 }
 # "ring" is no entry: it is a shard_map over a mesh around the blockwise loop
 # (jattn/_src/impl/ring.py), chosen only by name.
@@ -119,5 +139,6 @@ def preference(call, platform: str) -> tuple[str, ...]:
     return ("xla", "blockwise") if small else ("blockwise", "xla")
   fits = 4 * d.B * d.N * d.T * d.S <= ACCELERATOR_XLA_LOGITS_BYTES
   generic = ("xla", "blockwise") if fits else ("blockwise", "xla")
-  kernels = {"tpu": ("splash",), "cuda": ("cudnn", "pallas")}.get(platform, ())
+  # splash first on TPU: jax's tuned kernel, until a TPU benchmark says otherwise
+  kernels = {"tpu": ("splash", "flex_tpu"), "cuda": ("cudnn", "pallas")}.get(platform, ())
   return kernels + generic
