@@ -16,6 +16,16 @@ def test_ring_mods_match_single_device_values_and_gradients(cases, count):
   assert_checks_pass("ring_mod_cases.py", cases, count)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cases,count", [
+    ("quick", 2), pytest.param("all", 5, marks=pytest.mark.thorough)])
+def test_ring_with_t_not_s_and_a_hand_written_mask_mod(cases, count):
+  """16 queries against 32 keys and the reverse; causal, kv lengths and a hand-written
+  mask_mod at global positions (zig-zag and contiguous); out, lse (the columns
+  layout BNHT included) and gradients against float64 NumPy."""
+  assert_checks_pass("ring_lengths_cases.py", cases, count)
+
+
 def test_ring_mods_refuse_a_sharded_batch():
   import jax
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "seq"))

@@ -54,11 +54,18 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   With them, B and the heads must not be sharded (batch_axis_name and
   head_axis_name None): the mods index the whole batch and every head.
 
-  Requires T and S divisible by P (by 2P for the zig-zag order). bias, a dense
-  mask, a local window and dropout are not supported here.
+  The mesh's axes may be Explicit (`jax.make_mesh`'s default) or Auto, and the
+  inputs unsharded or sharded along any axis of it: on Explicit axes they are
+  resharded to the ring's layout (`jax.sharding.reshard`) and the output comes
+  back with the query's sharding (D unsharded), the lse with the query's
+  without H; Auto axes are placed by shard_map.
+
+  Requires T and S divisible by P (by 2P for the zig-zag order); T and S may
+  differ. bias, a dense mask, a local window and dropout are not supported here.
 
   Raises:
-    ValueError: an axis name the mesh lacks, T or S not divisible by P (2P),
+    ValueError: an axis name the mesh lacks, one mesh axis named twice, an
+      input sharded over an axis the mesh lacks, T or S not divisible by P (2P),
       an unsupported argument (bias, mask, local window, dropout), or any
       check of `dot_product_attention`, naming the argument and shapes.
 
