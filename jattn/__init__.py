@@ -45,5 +45,20 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# The Flax modules and the sharding rules, after the core they build on.
-from jattn import linen, mods, nnx, sharding  # noqa: E402
+# The ready-made mods, positions and sharding rules: plain JAX, imported with the core.
+from jattn import mods, rope, sharding  # noqa: E402
+
+# The Flax modules and the Transformer import flax: loaded on first use
+# (`jattn.nnx`, `from jattn import linen`, `import jattn.transformer` all work).
+_LAZY = ("linen", "nnx", "transformer")
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    import importlib
+    return importlib.import_module(f"jattn.{name}")
+  raise AttributeError(f"module 'jattn' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(list(globals()) + list(_LAZY))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from flax import linen, nnx
 
 from jattn._src.dot_product_attention import dot_product_attention
 from jattn._src.nn.precision import matmul_precision
@@ -69,6 +68,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, *,
                      f"takes no layout, got {kwargs['layout']!r}")
   if not isinstance(force_fp32_for_softmax, bool):
     raise TypeError(f"force_fp32_for_softmax must be a bool, got {force_fp32_for_softmax!r}")
+  from flax import linen, nnx  # here: `import jattn` does not import flax
+
   promote = nnx.nn.dtypes.promote_dtype if promote_dtype is None else promote_dtype
   query, key, value = promote((query, key, value), dtype=dtype)
   if mask is not None:
