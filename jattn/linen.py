@@ -20,8 +20,7 @@ from flax import linen as nn
 
 from jattn._src.nn import heads as _heads
 from jattn._src.nn import kv_cache as _kv_cache
-from jattn._src.dot_product_attention import dot_product_attention
-from jattn._src.masks.structural import combine_masks, padding_mask
+from jattn._src.nn.attend_step import attend
 from jattn._src.nn.precision import matmul_precision
 
 
@@ -186,23 +185,16 @@ class MultiHeadAttention(nn.Module):
           dropout_rng = None
       else:
         dropout_rng = None
-      if self.attention_fn is not None:
-        _heads.refuse_mods_with_attention_fn(mask_mod=mask_mod, score_mod=score_mod,
-                                             use_sinks=sinks is not None)
-        out = self._flax_attention(query, key, value, mask, kv_lengths, dropout_rng,
-                                   sow_weights)
-      else:
-        out = dot_product_attention(
-            query, key, value, mask=mask, is_causal=is_causal,
-            key_value_seq_lengths=kv_lengths, layout=_heads.HEADS_LAYOUT[layout],
-            implementation=self.implementation,
-            dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
-            dropout_rng=dropout_rng, broadcast_dropout=self.broadcast_dropout,
-            return_weights=sow_weights, mask_mod=mask_mod, score_mod=score_mod,
-            sinks=sinks)
-        if sow_weights:
-          out, weights = out
-          self.sow("intermediates", "attention_weights", weights)
+      user_fn = None if self.attention_fn is None else (
+          lambda q, k, v, mask, is_causal: self._flax_attention(q, k, v, mask, dropout_rng,
+                                                                sow_weights))
+      out = attend(
+          query, key, value, layout=layout, mask=mask, is_causal=is_causal,
+          kv_lengths=kv_lengths, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks,
+          dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
+          broadcast_dropout=self.broadcast_dropout, implementation=self.implementation,
+          sow_weights=sow_weights, attention_fn=user_fn,
+          sow=lambda w: self.sow("intermediates", "attention_weights", w))
       out = _heads.project_out(out, *out_proj(), **heads)
     return _heads.split_batch(out, batch)
 
@@ -220,12 +212,9 @@ class MultiHeadAttention(nn.Module):
       raise ValueError("attention_fn: flax's attention functions take [B, T, N, H], so "
                        f"they need layout='rows', got layout={self.layout!r}")
 
-  def _flax_attention(self, query, key, value, mask, kv_lengths, dropout_rng, sow_weights):
+  def _flax_attention(self, query, key, value, mask, dropout_rng, sow_weights):
     """The user's attention_fn, called as flax.linen calls it: only the keywords
     its signature names."""
-    if kv_lengths is not None:  # jattn's lengths, as a mask flax's functions understand
-      T, S = query.shape[1], key.shape[1]  # [B, T, N, H] and [B, S, K, H]
-      mask = combine_masks(mask, padding_mask(None, kv_lengths, T, S))
     kwargs = dict(mask=mask, dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
                   broadcast_dropout=self.broadcast_dropout,
                   deterministic=dropout_rng is None, dtype=self.dtype,

@@ -97,16 +97,18 @@ def _identical_heads_module(rate, seed):
 
 def _per_head_outputs(m, x, **kw):
   """[B, T, N, D]: the attention output of each head before the out projection."""
+  from jattn._src.nn import attend_step  # both modules attend through it
+
   captured = {}
-  original = jattn.nnx.dot_product_attention
+  original = attend_step.dot_product_attention
   def spy(*args, **kwargs):
     captured["out"] = original(*args, **kwargs)
     return captured["out"]
-  jattn.nnx.dot_product_attention = spy
+  attend_step.dot_product_attention = spy
   try:
     m(x, **kw)
   finally:
-    jattn.nnx.dot_product_attention = original
+    attend_step.dot_product_attention = original
   return captured["out"]
 
 
