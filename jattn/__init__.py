@@ -19,7 +19,8 @@ from jattn._src.core.attention import attention, project_qkv
 from jattn._src.masks.block_mask import BlockMask, create_block_mask
 from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.dot_product_attention import dot_product_attention
-from jattn._src.explain import Explanation, explain
+from jattn._src.dispatch import Explanation, explain_calls
+from jattn._src.explain import explain
 from jattn._src.nn.flax_attention_fn import flax_attention_fn
 from jattn._src.masks.structural import (causal_mask, combine_masks, local_mask, padding_mask,
                                          segment_mask)
@@ -35,6 +36,7 @@ __all__ = [
     "create_block_mask",
     "dot_product_attention",
     "explain",
+    "explain_calls",
     "Explanation",
     "flax_attention_fn",
     "local_mask",

@@ -20,6 +20,7 @@ from flax import linen as nn
 
 from jattn._src.nn import heads as _heads
 from jattn._src.nn import kv_cache as _kv_cache
+from jattn._src.dispatch import explain_calls
 from jattn._src.nn.attend_step import attend
 from jattn._src.nn.precision import matmul_precision
 
@@ -107,6 +108,24 @@ class MultiHeadAttention(nn.Module):
   qk_attn_weights_einsum_cls: Any = None
   attn_weights_value_einsum_cls: Any = None
   use_sinks: bool = False  # a learned `sinks` [N] parameter (zeros at init)
+
+  def explain(self, *args, **kwargs) -> list:
+    """`jattn.explain` for this module's configuration, as a method for `apply`:
+    `layer.apply(variables, x, method="explain")` runs the call and returns the
+    `jattn.Explanation` of its attention call(s).
+
+    Examples:
+      >>> import jax, jattn.linen
+      >>> layer = jattn.linen.MultiHeadAttention(num_heads=2, qkv_features=16)
+      >>> x = jax.numpy.ones((1, 256, 16))
+      >>> [report] = layer.apply(layer.init(jax.random.key(0), x), x, is_causal=True,
+      ...                        method="explain")
+      >>> report.implementation("tpu")
+      'splash'
+    """
+    with explain_calls() as reports:
+      self(*args, **kwargs)
+    return reports
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,

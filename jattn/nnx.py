@@ -20,6 +20,7 @@ from flax.nnx.nn import dtypes
 
 from jattn._src.nn import heads as _heads
 from jattn._src.nn import kv_cache as _kv_cache
+from jattn._src.dispatch import explain_calls
 from jattn._src.nn.attend_step import attend
 from jattn._src.nn.precision import matmul_precision
 
@@ -227,6 +228,24 @@ class MultiHeadAttention(nnx.Module):
         shape = (batch_size, max_length, F) if self.layout == "rows" else (
             batch_size, F, max_length)
         self.init_cache(shape, self.dtype)
+
+  def explain(self, *args, **kwargs) -> list:
+    """`jattn.explain` for this module's configuration: runs `self(*args, **kwargs)` and
+    returns the `jattn.Explanation` of its attention call(s), each platform's
+    implementation and the reasons kernels refused (a KV cache advances as in the call).
+
+    Examples:
+      >>> import jax, jattn
+      >>> from flax import nnx
+      >>> mha = jattn.nnx.MultiHeadAttention(2, 16, rngs=nnx.Rngs(0))
+      >>> x = jax.numpy.ones((1, 256, 16))                               # [B, T, F]
+      >>> [report] = mha.explain(x, mask_mod=jattn.mods.sliding_window(4, 0))
+      >>> report.implementation("tpu")
+      'splash'
+    """
+    with explain_calls() as reports:
+      self(*args, **kwargs)
+    return reports
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
                mask=None, is_causal: bool = False, deterministic=None, rngs=None,

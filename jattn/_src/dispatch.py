@@ -11,6 +11,8 @@ is lowered. When every platform makes the same choice, no branch is built.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -73,6 +75,76 @@ def choose_all(call, implementation: str | None) -> tuple[Choice, ...]:
     raise ValueError(f"implementation={implementation!r} cannot run this call: "
                      f"{'; '.join(reasons)}")
   return choices
+
+
+_SHOWN = ("cpu", "tpu", "cuda")
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+  """The report of `jattn.explain`: one `dispatch.Choice` per platform.
+
+  choices[platform].implementation: what runs ("splash", "blockwise", ...), or
+  None when an explicit implementation cannot run there (`.error` says why);
+  .plan: its static plan (e.g. splash's mask expression); .passed_over: each
+  implementation tried before it, with the reason it refused the call.
+  `str()` gives the same as a readable report.
+  """
+
+  choices: dict
+
+  def implementation(self, platform: str) -> str | None:
+    return self.choices[platform].implementation
+
+  def reasons(self, platform: str) -> dict[str, str]:
+    """Implementation name -> why it refused the call on `platform`."""
+    return dict(self.choices[platform].passed_over)
+
+  def __str__(self) -> str:
+    lines = []
+    for platform in _SHOWN:
+      choice = self.choices[platform]
+      if choice.implementation is None:
+        lines.append(f"{platform}: cannot run: {choice.error}")
+      else:
+        lines.append(f"{platform}: {choice.implementation}  {choice.plan}")
+        for name, reason in choice.passed_over:
+          lines.append(f"    not {name}: {reason}")
+    return "\n".join(lines)
+
+
+_RECORDING = contextvars.ContextVar("jattn_explain_calls", default=None)
+
+
+@contextlib.contextmanager
+def explain_calls():
+  """Collects an `Explanation` of every `dot_product_attention` call made in the block.
+
+  For models and modules: `with jattn.explain_calls() as reports: model(x)` gives
+  one report per attention call (per layer), with the choices the call made.
+  Calls inside a jitted function are seen when it is traced (its first call).
+
+  Examples:
+    >>> import jax, jattn
+    >>> q = jax.numpy.ones((1, 256, 2, 64))
+    >>> with jattn.explain_calls() as reports:
+    ...   out = jattn.dot_product_attention(q, q, q, is_causal=True)
+    >>> [r.implementation("cpu") for r in reports]
+    ['blockwise']
+  """
+  reports = []
+  token = _RECORDING.set(reports)
+  try:
+    yield reports
+  finally:
+    _RECORDING.reset(token)
+
+
+def record(choices) -> None:
+  """Inside `explain_calls`, keeps the report of one call's choices."""
+  reports = _RECORDING.get()
+  if reports is not None:
+    reports.append(Explanation({c.platform: c for c in choices}))
 
 
 def per_platform(branches: dict, *args):

@@ -136,6 +136,7 @@ def dot_product_attention(
                    broadcast_dropout=broadcast_dropout, return_weights=return_weights,
                    block_sizes=block_sizes, interpret=interpret.interpreting(), **kwargs)
   choices = dispatch.choose_all(call, implementation)
+  dispatch.record(choices)
   out, weights, lse = dispatch.compute(call, choices)
   if not call.dims.has_batch:
     out = out[0]

@@ -2,52 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
 from jattn._src import dispatch
+from jattn._src.dispatch import Explanation
 from jattn._src.call import make_call
 from jattn._src.dot_product_attention import check_implementation
 from jattn._src.impl import interpret
 from jattn._src.impl.registry import PLATFORMS
-
-_SHOWN = ("cpu", "tpu", "cuda")
-
-
-@dataclasses.dataclass(frozen=True)
-class Explanation:
-  """The report of `jattn.explain`: one `dispatch.Choice` per platform.
-
-  choices[platform].implementation: what runs ("splash", "blockwise", ...), or
-  None when an explicit implementation cannot run there (`.error` says why);
-  .plan: its static plan (e.g. splash's mask expression); .passed_over: each
-  implementation tried before it, with the reason it refused the call.
-  `str()` gives the same as a readable report.
-  """
-
-  choices: dict
-
-  def implementation(self, platform: str) -> str | None:
-    return self.choices[platform].implementation
-
-  def reasons(self, platform: str) -> dict[str, str]:
-    """Implementation name -> why it refused the call on `platform`."""
-    return dict(self.choices[platform].passed_over)
-
-  def __str__(self) -> str:
-    lines = []
-    for platform in _SHOWN:
-      choice = self.choices[platform]
-      if choice.implementation is None:
-        lines.append(f"{platform}: cannot run: {choice.error}")
-      else:
-        lines.append(f"{platform}: {choice.implementation}  {choice.plan}")
-        for name, reason in choice.passed_over:
-          lines.append(f"    not {name}: {reason}")
-    return "\n".join(lines)
-
 
 def explain(query, key, value, bias=None, mask=None, *, implementation=None,
             block_sizes=None, **kwargs) -> Explanation:
