@@ -116,6 +116,31 @@ def test_one_platform_choice_builds_no_branch():
   assert "platform_index" in jaxpr  # splash on TPU, pallas on CUDA, xla on CPU
 
 
+def _branch_count(jaxpr) -> int:
+  """Branches of the one platform_dependent switch (a cond) anywhere in the jaxpr."""
+  def conds(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "cond":
+        yield eqn
+      elif "jaxpr" in eqn.params:  # the jit of the dispatch
+        yield from conds(eqn.params["jaxpr"].jaxpr)
+  [switch] = conds(jaxpr)
+  return len(switch.params["branches"])
+
+
+def test_equal_choices_are_traced_once():
+  """Platforms that choose the same implementation and plan share one branch: explicit
+  "blockwise" (one default block size everywhere) builds no switch, and None at
+  T = 8192 (logits over the accelerators' dense limit) traces three programs
+  (blockwise on CPU and ROCm, splash, pallas), not four."""
+  q = jax.ShapeDtypeStruct((1, 8192, 8, 128), jnp.bfloat16)
+  blockwise = jax.make_jaxpr(lambda q: jattn.dot_product_attention(
+      q, q, q, is_causal=True, implementation="blockwise"))(q)
+  assert "platform_index" not in str(blockwise)
+  default = jax.make_jaxpr(lambda q: jattn.dot_product_attention(q, q, q, is_causal=True))(q)
+  assert _branch_count(default.jaxpr) == 3
+
+
 def test_explain_reports_plans_and_reasons_for_every_platform():
   q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
   ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32)

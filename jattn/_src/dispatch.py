@@ -172,8 +172,13 @@ def per_platform(branches: dict, *args):
                                                        avals=avals))
     return fn
 
-  fns = {p: fn if fn is not None else refusal(key[-1]) for p, (key, fn) in branches.items()}
-  default = fns.pop(_DEFAULT)
+  # One callable per key: platform_dependent joins platforms whose branches are
+  # the same object, so an equal choice is traced once, not once per platform.
+  shared = {key: fn if fn is not None else refusal(key[-1]) for key, fn in distinct.items()}
+  default = shared[branches[_DEFAULT][0]]
+  # platform_dependent never joins a named branch with `default`: leave the
+  # platforms that choose what the default does to it.
+  fns = {p: shared[key] for p, (key, _) in branches.items() if shared[key] is not default}
   return jax.lax.platform_dependent(*args, default=default, **fns)
 
 

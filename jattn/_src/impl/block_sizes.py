@@ -39,13 +39,16 @@ class BlockSizes:
 
 
 def default_block_sizes(platform: str) -> BlockSizes:
-  """The platform's default block sizes.
+  """The default block sizes of "blockwise" on `platform`: 512 queries x 256 keys on all.
 
-  CPU: 512 queries x 256 keys (8 heads x 512 KiB of float32 logits per block)
-  was the fastest of {128..2048} x {256..1024} at B=1 N=8 H=64 T=S=4096 on a
-  2-core AMD EPYC (AVX-512), in same-process runs against torch SDPA (README,
-  "Blockwise attention and benchmark"). Accelerators: flash-attention's usual tiles.
+  512 x 256 (8 heads x 512 KiB of float32 logits per block) was the fastest of
+  {128..2048} x {256..1024} at B=1 N=8 H=64 T=S=4096 on a 2-core AMD EPYC
+  (AVX-512), in same-process runs against torch SDPA (docs/implementations.md).
+  On TPU and GPU "blockwise" is the lax-loop fallback for calls no fused kernel
+  takes; no size was measured there, and one size everywhere means a program
+  traced for every platform (`implementation=None`) holds one blockwise loop,
+  not one per platform (docs/implementations.md, "What the choice at lowering
+  costs").
   """
-  if platform == "cpu":
-    return BlockSizes(q=512, kv=256)
-  return BlockSizes(q=128, kv=128)
+  del platform  # the same everywhere until a TPU or GPU measurement says otherwise
+  return BlockSizes(q=512, kv=256)

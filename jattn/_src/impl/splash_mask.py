@@ -33,6 +33,12 @@ class _Uniform(np.ndarray):
     return self.flat[0] if not (args or kwargs) else np.asarray(self).all(*args, **kwargs)
 
 
+@functools.lru_cache(maxsize=64)
+def _uniform(value: bool, shape: tuple[int, int]) -> _Uniform:
+  """One read-only block per (value, shape): splash asks for thousands of them."""
+  return np.broadcast_to(np.bool_(value), shape).view(_Uniform)
+
+
 def evaluate(expr: tuple, t, s):
   """The expression at query positions t and key positions s (NumPy or jax arrays)."""
   kind = expr[0]
@@ -104,7 +110,7 @@ def _mask_class():
       cls = block_class(self.expr, t0, t1, s0, s1)
       if cls == PARTIAL:
         return super().__getitem__(idx)
-      return np.broadcast_to(np.bool_(cls == FULL), (t1 - t0, s1 - s0)).view(_Uniform)
+      return _uniform(cls == FULL, (t1 - t0, s1 - s0))
 
     def __eq__(self, other):
       return (isinstance(other, ExpressionMask) and self.expr == other.expr
