@@ -152,7 +152,8 @@ def test_splash_without_interpret_on_cpu_names_the_platform():
     ("cuda", jnp.bfloat16, dict(is_causal=True), "cudnn"),
     ("cuda", jnp.float32, dict(is_causal=True), "pallas"),
     ("cuda", jnp.bfloat16, dict(q_segment_ids=IDS, kv_segment_ids=IDS), "pallas"),
-    ("cuda", jnp.float32, dict(local_window_size=3), "xla"),
+    ("cuda", jnp.float32, dict(local_window_size=3), "flex_gpu"),
+    ("cuda", jnp.float32, dict(bias=np.zeros((1, 1, T, T), np.float32)), "xla"),
     ("cpu", jnp.float32, dict(is_causal=True), "blockwise"),
 ])
 def test_default_picks_what_the_rule_says(monkeypatch, platform, dtype, kw, expected):

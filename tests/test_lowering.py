@@ -30,18 +30,20 @@ IDS = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [100, 200, 84], axis=1).astype
 CASES = {
     "causal": (dict(is_causal=True), K, {"tpu": "splash", "cuda": "pallas"}),
     "window_segments": (dict(local_window_size=(64, 0), q_segment_ids=IDS,
-                             kv_segment_ids=IDS), K, {"tpu": "splash", "cuda": None}),
+                             kv_segment_ids=IDS), K, {"tpu": "splash", "cuda": "flex_gpu"}),
     "grouped_heads": (dict(), 1, {"tpu": "splash", "cuda": "pallas"}),
     "soft_cap_sinks": (dict(is_causal=True, score_mod=mods.soft_cap(20.0),
-                            sinks=jnp.linspace(-1.0, 1.0, N)), K, {"tpu": "splash", "cuda": None}),
+                            sinks=jnp.linspace(-1.0, 1.0, N)), K, {"tpu": "splash", "cuda": "flex_gpu"}),
     "alibi": (dict(is_causal=True, score_mod=mods.alibi(jnp.linspace(0.1, 0.4, N))), K,
-              {"tpu": "flex_tpu", "cuda": None}),
+              {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "prefix_lm": (dict(mask_mod=mods.prefix_lm(jnp.array([100, 7]))), K,
-                  {"tpu": "flex_tpu", "cuda": None}),
+                  {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "hand_written_mask": (dict(mask_mod=lambda b, n, t, s: (s <= t) & ((t - s) % 3 != 1)), K,
-                          {"tpu": "flex_tpu", "cuda": None}),
+                          {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "relative_bias": (dict(is_causal=True, score_mod=mods.relative_bias(
-        jnp.linspace(-1.0, 1.0, N * 33).reshape(N, 33))), K, {"tpu": "flex_tpu", "cuda": None}),
+        jnp.linspace(-1.0, 1.0, N * 33).reshape(N, 33))), K, {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
+    # a dense [T, S] bias: no fused kernel reads it
+    "dense_bias": (dict(bias=np.zeros((1, 1, T, T), np.float32)), K, {"tpu": None, "cuda": None}),
 }
 
 
@@ -150,7 +152,7 @@ def test_explain_reports_plans_and_reasons_for_every_platform():
   assert report.implementation("tpu") == "splash"
   splash = report.choices["tpu"].plan
   assert splash.mask == ("and", ("and", ("causal",), ("full",))) and splash.document
-  assert report.implementation("cuda") == "xla"
+  assert report.implementation("cuda") == "flex_gpu"
   assert "lowers only mods.causal and mods.document" in report.reasons("cuda")["pallas"]
   text = str(report)
   assert "tpu: splash" in text and "not pallas: it lowers only" in text

@@ -64,12 +64,14 @@ def dot_product_attention(
       (tokens as columns), or without B.
     implementation: None (the fastest correct one for the platform and shape:
       on CPU "blockwise" from T * S >= 128 * 128 and "xla" below; on GPU
-      "cudnn", else "pallas", where they apply; on TPU "splash" where it
-      applies; see `jattn/_src/impl/registry.py`), "xla" (einsum), "vmap" (single-head
-      attention under jax.vmap), "blockwise" (flash-style, memory linear in T
-      and S, no weights), "cudnn" (jax.nn's fused GPU kernel), "splash" (jax's
-      TPU splash kernel), "pallas" (jax's Pallas GPU flash kernel) -- the last
-      three raise a ValueError naming the argument they cannot honour -- or
+      "cudnn", else "pallas", else "flex_gpu", where they apply; on TPU "splash",
+      else "flex_tpu"; see `jattn/_src/impl/registry.py`), "xla" (einsum), "vmap"
+      (single-head attention under jax.vmap), "blockwise" (flash-style, memory
+      linear in T and S, no weights), "cudnn" (jax.nn's fused GPU kernel),
+      "splash" (jax's TPU splash kernel), "pallas" (jax's Pallas GPU flash
+      kernel), "flex_tpu" / "flex_gpu" (jattn's own Pallas kernels with the mods
+      inside) -- the last five raise a ValueError naming the argument they
+      cannot honour -- or
       "ring" (sequence-parallel over the
       "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`).
     dropout_rate, dropout_rng: dropout on the attention weights, with inverted

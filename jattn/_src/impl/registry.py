@@ -22,7 +22,7 @@ from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.blockwise import blockwise_attention
 from jattn._src.impl.vmap import vmapped_attention
 from jattn._src.impl.xla import xla_attention
-from jattn._src.kernels import flex_tpu
+from jattn._src.kernels import flex_gpu, flex_tpu
 
 # The platforms a program is lowered for, as jax.lax.platform_dependent names
 # them. "rocm" stands for every accelerator without a kernel of its own here.
@@ -107,6 +107,21 @@ def _flex_tpu_plan(call, platform):
                        interpret=call.interpret)
 
 
+def _flex_gpu_plan(call, platform):
+  if not isinstance(call.scale, (int, float)):
+    return "a traced scale: the kernel takes a Python number"
+  has_block_mask = call.has_mods and call.modifiers.mods.block_mask is not None
+  block = call.block_sizes if has_block_mask else None
+  d = call.dims
+  # the kernel reads the scale as a constant, and the ready-made mask mods traced
+  modifiers = call.modifiers.replace(scale=float(call.scale))
+  return flex_gpu.plan(B=d.B, T=d.T, S=d.S, N=d.N, K=d.K, H=d.H, D=d.D, dtype=call.dtype,
+                       modifiers=modifiers, return_weights=call.return_weights,
+                       block_q=None if block is None else block.q,
+                       block_kv=None if block is None else block.kv,
+                       interpret=call.interpret)
+
+
 IMPLEMENTATIONS = {
     "xla": Implementation(
         "xla", _dense_plan, lambda plan, *args: xla_attention(*args)),
@@ -125,6 +140,8 @@ IMPLEMENTATIONS = {
         platforms=("cuda",), interpretable=True),
     "flex_tpu": Implementation(  # jattn's own TPU kernel: any mask_mod / score_mod
         "flex_tpu", _flex_tpu_plan, flex_tpu.run, platforms=("tpu",), interpretable=True),
+    "flex_gpu": Implementation(  # jattn's own GPU kernel (Triton): any mask_mod / score_mod
+        "flex_gpu", _flex_gpu_plan, flex_gpu.run, platforms=("cuda",), interpretable=True),
 }
 # "ring" is no entry: it is a shard_map over a mesh around the blockwise loop
 # (jattn/_src/impl/ring.py), chosen only by name.
@@ -140,5 +157,6 @@ def preference(call, platform: str) -> tuple[str, ...]:
   fits = 4 * d.B * d.N * d.T * d.S <= ACCELERATOR_XLA_LOGITS_BYTES
   generic = ("xla", "blockwise") if fits else ("blockwise", "xla")
   # splash first on TPU: jax's tuned kernel, until a TPU benchmark says otherwise
-  kernels = {"tpu": ("splash", "flex_tpu"), "cuda": ("cudnn", "pallas")}.get(platform, ())
+  kernels = {"tpu": ("splash", "flex_tpu"),
+             "cuda": ("cudnn", "pallas", "flex_gpu")}.get(platform, ())
   return kernels + generic

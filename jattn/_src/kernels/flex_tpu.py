@@ -182,6 +182,10 @@ def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
   """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
   if modifiers.mods is not None:
     modifiers = modifiers.replace(mods=modifiers.mods.traced())
+    # the const indices of this trace (see tile_mods.const_indices)
+    reads, rows, tables = tile_mods.const_indices(modifiers.mods)
+    plan_ = dataclasses.replace(plan_, score_reads=() if tables else reads, mask_rows=rows,
+                                score_tables=tables)
   out, lse = _attention(plan_, layout, query, key, value, modifiers)
   if not layout.has_batch:
     lse = lse[0]

@@ -322,3 +322,27 @@ def check(jaxpr, meta, score: bool) -> str | tuple:
   if ({i for i, _ in rows} | tables) & scalar_reads:
     return "a captured array read both by position and as a scalar"
   return tuple(reads), tuple(sorted(rows)), tuple(sorted(tables))
+
+
+def const_indices(mods) -> tuple[tuple, tuple, tuple]:
+  """(score_mod's float reads, mask_mod's per-token rows, score_mod's tables) of these
+  traced mods, as `check` gives them.
+
+  A plan made from one trace of the mods must not be applied to another: a plan
+  traced outside `jit` sees one array passed twice (`mods.document(ids)`: ids for
+  the queries and the keys) as one captured array, the trace inside `jit` as two,
+  so the const indices differ. The kernels take them from the trace they run.
+  """
+  reads = rows = tables = ()
+  for kind, jaxpr, consts in (("mask_mod", mods.mask_jaxpr, mods.mask_consts),
+                              ("score_mod", mods.score_jaxpr, mods.score_consts)):
+    if jaxpr is None:
+      continue
+    got = check(jaxpr, consts_meta(consts), kind == "score_mod")
+    if isinstance(got, str):  # the plan took the same function: cannot happen
+      raise AssertionError(f"{kind} planned for the kernel, then refused: {got}")
+    if kind == "score_mod":
+      reads, tables = got[0], got[2]
+    else:
+      rows = got[1]
+  return reads, rows, tables

@@ -1,0 +1,240 @@
+"""The "flex_gpu" kernel: flash attention in Pallas for NVIDIA GPUs (the Triton
+lowering: Ampere and Hopper), with the user's mask_mod and score_mod evaluated
+inside the kernel on each tile, as "flex_tpu" does on TPUs.
+
+`plan(...)` looks only at static facts of a call and returns a hashable `Plan`,
+or a reason in words for what the kernel cannot take. `run(plan, ...)` has the
+contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T]).
+
+Grid (B, N, T / block_q): each program holds one query tile of head n and loops
+(in the kernel) over the kv tiles of kv head n // G that are not EMPTY, in
+ascending order, from a per-row list made from the block classes (closed forms
+for causal, windows and jattn.mods masks, a block_mask, else mask_mod block by
+block: the tables "flex_tpu" uses); a FULL tile runs without the mask functions.
+The mods are evaluated on [block_q, block_kv] tiles of positions by
+`tile_mods` (the TPU kernel's evaluator): captured arrays are whole-array
+inputs, read with ordinary loads (a relative-bias table with a gather). Unlike
+jax's Pallas `mha`, the kernel also takes windows, sequence lengths, segment ids
+that differ between queries and keys, and T != S. Sinks are applied to
+(out, lse) after the kernel, as "blockwise" does.
+
+Backward: a custom VJP with a dq kernel (grid B, N, T / block_q) and a dk/dv
+kernel (grid B, K, S / block_kv, looping over the G query heads of the kv head
+and their non-EMPTY query tiles, summed in registers: no atomics), recomputing
+the weights from out and lse. Gradients into score_mod's captured float arrays
+(ALiBi slopes, a bias table, a traced cap) come from jattn's blockwise backward
+in pure JAX (exact, deterministic; XLA drops it when nothing asks for them).
+The kernels are in `flex_gpu_kernels`; docs/gpu_kernel.md has the design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.impl import blockwise_loop
+from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.kernels import flex_gpu_kernels as kernels
+from jattn._src.kernels import tile_mods
+from jattn._src.kernels.flex_tpu_kernels import batched, with_batch, without_batch
+from jattn._src.masks.programmable import add_sinks, sinks_grad
+
+_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# Tiles and launch parameters. NOT MEASURED on a GPU (none was available): 64 x 64
+# tiles and 4 warps are the usual FlashAttention-2 choice for head sizes <= 128.
+_BLOCK = 64
+_MIN_BLOCK = 16  # Triton's dot takes operands of at least 16 x 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static the kernels are built from (hashable)."""
+
+  B: int
+  T: int
+  S: int
+  N: int
+  K: int
+  H: int
+  D: int
+  block_q: int
+  block_kv: int
+  scale: float
+  is_causal: bool
+  window: tuple | None
+  has_mask_mod: bool
+  has_score_mod: bool
+  interpret: bool
+  # EMPTY tiles skipped, FULL ones unmasked (from the block classes)
+  skip: bool = False
+  q_lengths: bool = False
+  kv_lengths: bool = False
+  segments: bool = False
+  # ((const index, "t" or "s"), ...): mask_mod's per-token arrays, read as rows
+  mask_rows: tuple = ()
+  # score_mod captures float arrays: their gradients by the blockwise backward
+  score_grads: bool = False
+  num_warps: int = 4
+  num_stages: int = 2
+
+  @property
+  def T_padded(self) -> int:
+    return _round_up(self.T, self.block_q)
+
+  @property
+  def S_padded(self) -> int:
+    return _round_up(self.S, self.block_kv)
+
+  @property
+  def H_padded(self) -> int:  # Triton's tiles have power-of-two sides
+    return max(_MIN_BLOCK, _next_power_of_two(self.H))
+
+  @property
+  def D_padded(self) -> int:
+    return max(_MIN_BLOCK, _next_power_of_two(self.D))
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _next_power_of_two(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def _tile(length: int, asked: int | None) -> int:
+  """A power-of-two tile between 16 and 64 (or the block_mask's), no longer than needed."""
+  if asked is not None and asked >= _MIN_BLOCK and asked == _next_power_of_two(asked):
+    return asked
+  return max(_MIN_BLOCK, min(_BLOCK, _next_power_of_two(length)))
+
+
+def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
+         modifiers: Modifiers, return_weights: bool = False,
+         block_q: int | None = None, block_kv: int | None = None,
+         interpret: bool = False) -> Plan | str:
+  """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
+
+  modifiers: the call's `Modifiers` (its arrays may be tracers or
+  ShapeDtypeStructs: only shapes, dtypes and the mods' jaxprs are read).
+  block_q, block_kv: a block_mask's tiles, taken when they are powers of two >= 16.
+  interpret: run the Pallas kernels in interpret mode (any backend, for tests).
+  """
+  m = modifiers
+  if return_weights:
+    return "return_weights: the kernel forms no [T, S] weights"
+  if np.dtype(dtype) not in _DTYPES:
+    return f"dtype {np.dtype(dtype)}: the kernel takes float32, bfloat16 and float16"
+  if N % K:
+    return f"N = {N} is not a multiple of K = {K}"
+  if not (1 <= H <= 256 and 1 <= D <= 256):
+    return f"head sizes H = {H}, D = {D}: the kernel takes 1 to 256"
+  if min(B, T, S, N) < 1:
+    return "an empty axis (B, T, S or N is 0)"
+  if m.bias is not None:
+    return "a dense bias [.., T, S]: not read by the kernel (score_mod is)"
+  if m.mask is not None:
+    return "a dense mask [.., T, S]: not read by the kernel (mask_mod is)"
+  if m.dropout is not None:
+    return "dropout: not in the kernel (no GPU PRNG path written)"
+  if not isinstance(m.scale, (int, float)):
+    return "a traced scale: the kernel takes a Python number"
+  st = m.structure
+  if (st.q_segment_ids is None) != (st.kv_segment_ids is None):
+    return "segment ids for one side only"
+  mods = m.mods
+  has_mask = has_score = score_grads = False
+  mask_rows = ()
+  if mods is not None:
+    if mods.block_mask is not None and not mods.has_mask:
+      return "a block_mask without its mask_mod"
+    mods = mods.traced()
+    for kind, jaxpr, consts in (("mask_mod", mods.mask_jaxpr, mods.mask_consts),
+                                ("score_mod", mods.score_jaxpr, mods.score_consts)):
+      if jaxpr is None:
+        continue
+      got = tile_mods.check(jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
+      if isinstance(got, str):
+        return f"{kind}: {got}"
+      reads, rows, tables = got
+      if kind == "score_mod":
+        score_grads = bool(reads) or bool(tables)
+      else:
+        mask_rows = rows
+    has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
+  window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
+  return Plan(B, T, S, N, K, H, D, _tile(T, block_q), _tile(S, block_kv), float(m.scale),
+              bool(st.is_causal), window, has_mask, has_score, bool(interpret),
+              skip=has_mask or bool(st.is_causal) or window is not None,
+              q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
+              segments=st.q_segment_ids is not None, mask_rows=mask_rows,
+              score_grads=score_grads)
+
+
+def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
+  """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
+  if modifiers.mods is not None:
+    modifiers = modifiers.replace(mods=modifiers.mods.traced())
+    _, rows, _ = tile_mods.const_indices(modifiers.mods)
+    plan_ = dataclasses.replace(plan_, mask_rows=rows)  # of this trace (see const_indices)
+  out, lse = _attention(plan_, layout, query, key, value, modifiers)
+  if not layout.has_batch:
+    lse = lse[0]
+  return out, None, lse
+
+
+# ---------------------------------------------------------------- custom VJP
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(plan_, layout, query, key, value, modifiers):
+  return _forward(plan_, layout, query, key, value, modifiers)[0]
+
+
+def _forward(plan_, layout, query, key, value, modifiers):
+  p = plan_
+  out, lse = kernels.forward(p, layout, query, key, value, modifiers)
+  out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
+  out, lse = without_batch(out, layout), lse[:, :, :p.T]
+  mods = modifiers.mods
+  if mods is not None and mods.sinks is not None:
+    out, lse = add_sinks(out, lse, mods.sinks, batched(layout).out)
+  return (out, lse), (query, key, value, modifiers, out, lse)
+
+
+def _backward(plan_, layout, residuals, cotangents):
+  d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
+  query, key, value, modifiers, out, lse = residuals
+  mods = modifiers.mods
+  d_q, d_k, d_v = kernels.backward(plan_, layout, query, key, value, modifiers, out, lse,
+                                   d_out)
+  d_mods = None
+  if mods is not None:
+    o, d_o = with_batch(out, layout), with_batch(d_out, layout)
+    d_sinks = None if mods.sinks is None else sinks_grad(
+        o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
+    d_consts = (None,) * len(mods.score_consts)
+    if plan_.score_grads:
+      d_consts = _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out,
+                                         lse, d_out)
+    d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
+  return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
+          modifiers.gradients(bias=None, mods=d_mods))
+
+
+_attention.defvjp(_forward, _backward)
+
+
+def _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out):
+  """Gradients into score_mod's float arrays, by jattn's blockwise backward (pure JAX,
+  memory linear in T and S), not in a kernel."""
+  q, k, v, o, d_o = (with_batch(x, layout) for x in (query, key, value, out, d_out))
+  return blockwise_loop.backward_with_score_grads(
+      q, k, v, modifiers, batched(layout), 0, 0, BlockSizes(plan_.block_q, plan_.block_kv),
+      o, lse, d_o)[4]

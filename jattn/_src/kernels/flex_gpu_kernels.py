@@ -1,0 +1,425 @@
+"""The Pallas (Triton) kernels of "flex_gpu" (the design is in `flex_gpu`): the
+forward, the dq and the dk/dv kernels, and a tile's logits with every mask and
+mod applied (`_logits`).
+
+On a GPU each program is one thread block: it holds its query (or key) tile in
+registers and loops over the other side's tiles with `lax.fori_loop` (a loop in
+the kernel, as FlashAttention-2 does), reading them from global memory with
+`pl.ds` slices. Captured arrays, block tables, lengths and segment ids are
+whole-array inputs: a scalar read is an ordinary load, a table read at a tile
+of indices (a relative bias) an ordinary gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jattn._src.core.layout import Layout
+from jattn._src.core.softmax import LARGE_NEGATIVE
+from jattn._src.kernels import tile_mods
+from jattn._src.kernels.flex_tpu_kernels import _block_tables, batched, with_batch
+from jattn._src.masks.closed_form_blocks import EMPTY, FULL
+
+if TYPE_CHECKING:
+  from jattn._src.kernels.flex_gpu import Plan
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Mods:
+  """The mods as the kernels see them: jaxprs (static), their consts' shapes and dtypes."""
+
+  mask_jaxpr: object
+  score_jaxpr: object
+  mask_meta: tuple
+  score_meta: tuple
+
+
+def _pad_to(x, axis: int, size: int, mode="constant"):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, mode=mode)
+
+
+def _to_tiles(p: Plan, layout: Layout, query, key, value):
+  """-> q [B, N, Tp, Hp], k [B, K, Sp, Hp], v [B, K, Sp, Dp], zero-padded (zero features
+  add nothing to q k^T; padded rows are masked)."""
+  lay = batched(layout)
+  q = jnp.einsum(f"{lay.query}->BNTH", with_batch(query, layout))
+  k = jnp.einsum(f"{lay.key}->BKSH", with_batch(key, layout))
+  v = jnp.einsum(f"{lay.value}->BKSD", with_batch(value, layout))
+  q = _pad_to(_pad_to(q, 2, p.T_padded), 3, p.H_padded)
+  k = _pad_to(_pad_to(k, 2, p.S_padded), 3, p.H_padded)
+  v = _pad_to(_pad_to(v, 2, p.S_padded), 3, p.D_padded)
+  return q, k, v
+
+
+def _whole(x):
+  """A BlockSpec that hands every program the whole array."""
+  return pl.BlockSpec(x.shape, lambda *grid: (0,) * x.ndim)
+
+
+def _extras(p: Plan, modifiers, mods):
+  """(the static `_Mods`, the whole-array inputs every kernel reads, in `_Reads`' order):
+  block tables, lengths, segment ids, the mods' captured arrays (flat), mask_mod's
+  per-token arrays [X, Tp] / [X, Sp] (edge-padded: dynamic_slice's clamp)."""
+  mask_jaxpr = None if mods is None else mods.mask_jaxpr
+  score_jaxpr = None if mods is None else mods.score_jaxpr
+  mask_consts = () if mask_jaxpr is None else tuple(mods.mask_consts)
+  score_consts = () if score_jaxpr is None else tuple(mods.score_consts)
+  tm = _Mods(mask_jaxpr, score_jaxpr, tile_mods.consts_meta(mask_consts),
+             tile_mods.consts_meta(score_consts))
+  arrays = []
+  if p.skip:
+    tables, flat = _block_tables(p, mods)  # [Bc, Nc, nq, nk]: Bc, Nc 1 or B, N
+    classes = flat[0].reshape(tables.Bc, tables.Nc, tables.nq, tables.nk)
+    # the non-empty tiles of each row first, in ascending order, then their count
+    kv_list = jnp.argsort(classes == EMPTY, axis=3, stable=True).astype(jnp.int32)
+    by_kv = jnp.swapaxes(classes, 2, 3)
+    q_list = jnp.argsort(by_kv == EMPTY, axis=3, stable=True).astype(jnp.int32)
+    arrays += [classes, kv_list, jnp.sum(classes != EMPTY, axis=3, dtype=jnp.int32),
+               q_list, jnp.sum(by_kv != EMPTY, axis=3, dtype=jnp.int32)]
+  st = modifiers.structure
+  for present, lengths in ((p.q_lengths, st.q_lengths), (p.kv_lengths, st.kv_lengths)):
+    if present:
+      arrays.append(jnp.asarray(lengths, jnp.int32).reshape(p.B))
+  if p.segments:
+    arrays.append(_pad_to(jnp.asarray(st.q_segment_ids, jnp.int32), 1, p.T_padded))
+    arrays.append(_pad_to(jnp.asarray(st.kv_segment_ids, jnp.int32), 1, p.S_padded))
+  rows = {ci for ci, _ in p.mask_rows}
+  for i, c in enumerate(mask_consts):
+    arrays.append(_flat(c) if i not in rows else jnp.zeros((1,), jnp.int32))
+  for c in score_consts:
+    arrays.append(_flat(c))
+  for ci, letter in p.mask_rows:
+    x = _as_int_or_float(mask_consts[ci])
+    x = x.reshape((1,) * (2 - x.ndim) + x.shape)  # [X, L]
+    size = p.T_padded if letter == "t" else p.S_padded
+    arrays.append(_pad_to(x[:, :size], 1, size, mode="edge"))
+  return tm, arrays
+
+
+def _as_int_or_float(c):
+  c = jnp.asarray(c)
+  return c.astype(jnp.int32) if c.dtype == jnp.bool_ else c
+
+
+def _flat(c):
+  return _as_int_or_float(c).reshape(-1)
+
+
+class _Reads:
+  """The kernels' view of the whole-array inputs (in `_extras`' order)."""
+
+  def __init__(self, p: Plan, tm: _Mods, refs):
+    self.p, self.tm = p, tm
+    refs = list(refs)
+    take = lambda count: [refs.pop(0) for _ in range(count)]
+    self.tables = take(5) if p.skip else None
+    self.q_len = take(1)[0] if p.q_lengths else None
+    self.kv_len = take(1)[0] if p.kv_lengths else None
+    self.ids = take(2) if p.segments else None
+    self.mask_consts = take(len(tm.mask_meta))
+    self.score_consts = take(len(tm.score_meta))
+    self.rows = dict(zip(p.mask_rows, take(len(p.mask_rows))))
+
+  def _bn(self, b, n):
+    """The tables' row of (b, n): 0 along an axis the mask does not depend on."""
+    Bc, Nc = self.tables[0].shape[:2]
+    return (b if Bc > 1 else 0), (n if Nc > 1 else 0)
+
+  def kv_count(self, b, n, i):
+    """How many kv tiles query tile i visits."""
+    if self.tables is None:
+      return self.p.S_padded // self.p.block_kv
+    return self.tables[2][(*self._bn(b, n), i)]
+
+  def kv_tile(self, b, n, i, step):
+    return step if self.tables is None else self.tables[1][(*self._bn(b, n), i, step)]
+
+  def q_count(self, b, n, j):
+    if self.tables is None:
+      return self.p.T_padded // self.p.block_q
+    return self.tables[4][(*self._bn(b, n), j)]
+
+  def q_tile(self, b, n, j, step):
+    return step if self.tables is None else self.tables[3][(*self._bn(b, n), j, step)]
+
+  def is_full(self, b, n, i, j):
+    return self.tables[0][(*self._bn(b, n), i, j)] == FULL
+
+  def read(self, refs, meta):
+    def read(ci, flat):
+      x = refs[ci][flat]
+      return x != 0 if meta[ci][1] == np.bool_ else x
+    return read
+
+  def read_block(self, i, j):
+    """x[row, t] or x[row, s] of a per-token array, as a [bq, bk] tile."""
+    p = self.p
+    tile = (p.block_q, p.block_kv)
+
+    def read_block(ci, letter, row):
+      ref = self.rows[ci, letter]
+      if letter == "t":
+        x = jnp.broadcast_to(ref[row, pl.ds(i * p.block_q, p.block_q)][:, None], tile)
+      else:
+        x = jnp.broadcast_to(ref[row, pl.ds(j * p.block_kv, p.block_kv)][None, :], tile)
+      return x != 0 if self.tm.mask_meta[ci][1] == np.bool_ else x
+    return read_block
+
+  def read_table(self, ci, row, index):
+    """A table x [W] or [R, W] at a [bq, bk] tile of indices: one gather load."""
+    width = self.tm.score_meta[ci][0][-1]
+    return self.score_consts[ci][row * width + index]
+
+
+# ---------------------------------------------------------------- one tile
+
+
+def _dot(a, b, contract, dtype_in):
+  """float32 a . b over the axes `contract` ((a's,), (b's,)); float32 inputs at full
+  precision (Triton's default for them is TF32)."""
+  precision = jax.lax.Precision.HIGHEST if dtype_in == jnp.float32 else None
+  return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
+
+def _logits(p: Plan, r: _Reads, b, n, i, j, q, k, *, full, with_vjp=False):
+  """One tile's logits: q k^T, scale, score_mod, then every mask.
+
+  -> (s float32 [bq, bk], LARGE_NEGATIVE where masked; keep bool [bq, bk] or None;
+  d_score: ds -> ds through score_mod). full: causal, window and mask_mod hide
+  nothing in this tile (its block class): only lengths, segments and padding apply.
+  """
+  tm, bq, bk = r.tm, p.block_q, p.block_kv
+  tile = (bq, bk)
+  s = _dot(q, k, ((1,), (1,)), q.dtype) * p.scale  # [bq, bk]
+  t_pos = jnp.broadcast_to(i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None], tile)
+  s_pos = jnp.broadcast_to(j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :], tile)
+  d_score = lambda ds: ds
+  if tm.score_jaxpr is not None:
+    def score(x):
+      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta,
+                             r.read(r.score_consts, tm.score_meta), [x, b, n, t_pos, s_pos],
+                             tile, positions={3: "t", 4: "s"}, read_table=r.read_table)[0]
+      return jnp.broadcast_to(y, tile).astype(jnp.float32)
+    if with_vjp:
+      s, vjp = jax.vjp(score, s)
+      d_score = lambda ds: vjp(ds)[0]
+    else:
+      s = score(s)
+  keep = None
+
+  def both(a, c):
+    return c if a is None else a & c
+
+  if p.S_padded != p.S:
+    keep = both(keep, s_pos < p.S)
+  if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
+    keep = both(keep, t_pos < p.T)
+  if r.q_len is not None:
+    keep = both(keep, t_pos < r.q_len[b])
+  if r.kv_len is not None:
+    keep = both(keep, s_pos < r.kv_len[b])
+  if r.ids is not None:
+    q_ids = r.ids[0][b, pl.ds(i * bq, bq)]
+    kv_ids = r.ids[1][b, pl.ds(j * bk, bk)]
+    keep = both(keep, q_ids[:, None] == kv_ids[None, :])
+  if p.is_causal and not full:
+    keep = both(keep, s_pos <= t_pos)
+  if p.window is not None and not full:
+    left, right = p.window
+    keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
+  if tm.mask_jaxpr is not None and not full:
+    mm = tile_mods.evaluate(tm.mask_jaxpr, tm.mask_meta, r.read(r.mask_consts, tm.mask_meta),
+                            [b, n, t_pos, s_pos], tile, positions={2: "t", 3: "s"},
+                            read_block=r.read_block(i, j))[0]
+    keep = both(keep, jnp.broadcast_to(mm, tile))
+  if keep is not None:
+    s = jnp.where(keep, s, LARGE_NEGATIVE)
+  return s, keep, d_score
+
+
+def _by_class(r: _Reads, b, n, i, j, step):
+  """step(full) on this tile: a FULL tile without the mask functions, else with them."""
+  if r.tables is None:
+    return step(False)
+  return jax.lax.cond(r.is_full(b, n, i, j), lambda: step(True), lambda: step(False))
+
+
+def _call(kernel, grid, in_specs, out_specs, out_shape, p: Plan, name: str):
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=p.num_warps, num_stages=p.num_stages),
+      interpret=p.interpret, name=name)
+
+
+# ---------------------------------------------------------------- forward
+
+
+def forward(p: Plan, layout: Layout, query, key, value, modifiers):
+  """-> (out [B, N, Tp, Dp] in the value's dtype, lse float32 [B, N, Tp]); no sinks."""
+  q, k, v = _to_tiles(p, layout, query, key, value)
+  tm, extras = _extras(p, modifiers, modifiers.mods)
+  G = p.N // p.K
+  bq = p.block_q
+  in_specs = [
+      pl.BlockSpec((None, None, bq, p.H_padded), lambda b, n, i: (b, n, i, 0)),
+      pl.BlockSpec((None, None, p.S_padded, p.H_padded), lambda b, n, i: (b, n // G, 0, 0)),
+      pl.BlockSpec((None, None, p.S_padded, p.D_padded), lambda b, n, i: (b, n // G, 0, 0)),
+  ] + [_whole(x) for x in extras]
+  out_specs = [pl.BlockSpec((None, None, bq, p.D_padded), lambda b, n, i: (b, n, i, 0)),
+               pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))]
+  out_shape = [jax.ShapeDtypeStruct((p.B, p.N, p.T_padded, p.D_padded), value.dtype),
+               jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)]
+  return _call(functools.partial(_forward_kernel, p=p, tm=tm), (p.B, p.N, p.T_padded // bq),
+               in_specs, out_specs, out_shape, p, "jattn_flex_gpu_fwd")(q, k, v, *extras)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
+  r = _Reads(p, tm, refs[:-2])
+  o_ref, lse_ref = refs[-2:]
+  b, n, i = (pl.program_id(a) for a in range(3))
+  bq, bk = p.block_q, p.block_kv
+  q = q_ref[...]
+
+  def body(step, carry):
+    acc, m, l = carry
+    j = r.kv_tile(b, n, i, step)
+    k = k_ref[pl.ds(j * bk, bk), :]
+    s = _by_class(r, b, n, i, j, lambda full: _logits(p, r, b, n, i, j, q, k, full=full)[0])
+    m_next = jnp.maximum(m, jnp.max(s, axis=1))
+    # A row that has seen no visible key keeps m = LARGE_NEGATIVE: shift it by 0
+    # instead, so that its masked logits give exp(LARGE_NEGATIVE) = 0, not 1.
+    shift = jnp.where(m_next > LARGE_NEGATIVE, m_next, 0.0)
+    probs = jnp.exp(s - shift[:, None])
+    alpha = jnp.exp(m - m_next)
+    v = v_ref[pl.ds(j * bk, bk), :]
+    acc = acc * alpha[:, None] + _dot(probs.astype(v.dtype), v, ((1,), (0,)), v.dtype)
+    return acc, m_next, alpha * l + jnp.sum(probs, axis=1)
+
+  init = (jnp.zeros((bq, p.D_padded), jnp.float32), jnp.full((bq,), LARGE_NEGATIVE, jnp.float32),
+          jnp.zeros((bq,), jnp.float32))
+  acc, m, l = jax.lax.fori_loop(0, r.kv_count(b, n, i), body, init)
+  seen = l > 0.0
+  safe_l = jnp.where(seen, l, 1.0)
+  o_ref[...] = (acc * jnp.where(seen, 1.0 / safe_l, 0.0)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), LARGE_NEGATIVE)
+
+
+# ---------------------------------------------------------------- backward
+
+
+def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
+  """-> (dq, dk, dv) float32 in the inputs' layouts; out, d_out in the query's layout
+  (with D), lse float32 [B, N, T]."""
+  lay = batched(layout)
+  q, k, v = _to_tiles(p, layout, query, key, value)
+  o = jnp.einsum(f"{lay.out}->BNTD", with_batch(out, layout)).astype(jnp.float32)
+  do = jnp.einsum(f"{lay.out}->BNTD", with_batch(d_out, layout))
+  delta = _pad_to(jnp.sum(o * do.astype(jnp.float32), axis=-1), 2, p.T_padded)  # [B, N, Tp]
+  lse = _pad_to(lse, 2, p.T_padded)
+  do = _pad_to(_pad_to(do.astype(query.dtype), 2, p.T_padded), 3, p.D_padded)
+  tm, extras = _extras(p, modifiers, modifiers.mods)
+  G, bq, bk = p.N // p.K, p.block_q, p.block_kv
+  Hp, Dp, Tp, Sp = p.H_padded, p.D_padded, p.T_padded, p.S_padded
+
+  # dq: a program per query tile, over its kv tiles
+  row = lambda width: pl.BlockSpec((None, None, bq, width), lambda b, n, i: (b, n, i, 0))
+  kv_all = lambda width: pl.BlockSpec((None, None, Sp, width), lambda b, n, i: (b, n // G, 0, 0))
+  stat = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
+  dq = _call(functools.partial(_dq_kernel, p=p, tm=tm), (p.B, p.N, Tp // bq),
+             [row(Hp), kv_all(Hp), kv_all(Dp), row(Dp), stat, stat] + [_whole(x) for x in extras],
+             row(Hp), jax.ShapeDtypeStruct((p.B, p.N, Tp, Hp), jnp.float32), p,
+             "jattn_flex_gpu_dq")(q, k, v, do, lse, delta, *extras)
+
+  # dk, dv: a program per kv tile of kv head h, over the G query heads of h and their
+  # query tiles; the group is summed in registers (no atomics)
+  group = lambda x: x.reshape(p.B, p.K, G, *x.shape[2:])
+  q_all = lambda width: pl.BlockSpec((None, None, G, Tp, width), lambda b, h, j: (b, h, 0, 0, 0))
+  stat_all = pl.BlockSpec((None, None, G, Tp), lambda b, h, j: (b, h, 0, 0))
+  kv_row = lambda width: pl.BlockSpec((None, None, bk, width), lambda b, h, j: (b, h, j, 0))
+  dk, dv = _call(
+      functools.partial(_dkv_kernel, p=p, tm=tm), (p.B, p.K, Sp // bk),
+      [q_all(Hp), kv_row(Hp), kv_row(Dp), q_all(Dp), stat_all, stat_all]
+      + [_whole(x) for x in extras],
+      [kv_row(Hp), kv_row(Dp)],
+      [jax.ShapeDtypeStruct((p.B, p.K, Sp, Hp), jnp.float32),
+       jax.ShapeDtypeStruct((p.B, p.K, Sp, Dp), jnp.float32)], p, "jattn_flex_gpu_dkv",
+  )(group(q), k, v, group(do), group(lse), group(delta), *extras)
+
+  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
+  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
+  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
+  if not layout.has_batch:
+    dq, dk, dv = dq[0], dk[0], dv[0]
+  return dq, dk, dv
+
+
+def _tile_grads(p, r, b, n, i, j, q, k, v, do, lse, delta, full):
+  """-> (probs [bq, bk] float32, d (scale q k^T) [bq, bk] float32 times scale)."""
+  s, keep, d_score = _logits(p, r, b, n, i, j, q, k, full=full, with_vjp=True)
+  probs = jnp.exp(s - lse[:, None])
+  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
+    probs = jnp.where(keep, probs, 0.0)
+  dp = _dot(do, v, ((1,), (1,)), v.dtype)  # dP [bq, bk] = dO v^T
+  return probs, d_score(probs * (dp - delta[:, None])) * p.scale
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods):
+  r = _Reads(p, tm, refs[:-1])
+  dq_ref = refs[-1]
+  b, n, i = (pl.program_id(a) for a in range(3))
+  bk = p.block_kv
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+
+  def body(step, dq):
+    j = r.kv_tile(b, n, i, step)
+    k = k_ref[pl.ds(j * bk, bk), :]
+    v = v_ref[pl.ds(j * bk, bk), :]
+    ds = _by_class(r, b, n, i, j, lambda full: _tile_grads(
+        p, r, b, n, i, j, q, k, v, do, lse, delta, full)[1])
+    return dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)), k.dtype)  # dQ += dS k
+
+  dq_ref[...] = jax.lax.fori_loop(0, r.kv_count(b, n, i), body,
+                                  jnp.zeros(dq_ref.shape, jnp.float32))
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods):
+  r = _Reads(p, tm, refs[:-2])
+  dk_ref, dv_ref = refs[-2:]
+  b, h, j = (pl.program_id(a) for a in range(3))
+  G, bq = p.N // p.K, p.block_q
+  k, v = k_ref[...], v_ref[...]
+
+  def head(g, carry):
+    n = h * G + g
+
+    def body(step, carry):
+      dk, dv = carry
+      i = r.q_tile(b, n, j, step)
+      rows = pl.ds(i * bq, bq)
+      q, do = q_ref[g, rows, :], do_ref[g, rows, :]
+      probs, ds = _by_class(r, b, n, i, j, lambda full: _tile_grads(
+          p, r, b, n, i, j, q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], full))
+      dv = dv + _dot(probs.astype(do.dtype), do, ((0,), (0,)), do.dtype)  # dV += P^T dO
+      dk = dk + _dot(ds.astype(q.dtype), q, ((0,), (0,)), q.dtype)  # dK += dS^T q
+      return dk, dv
+
+    return jax.lax.fori_loop(0, r.q_count(b, n, j), body, carry)
+
+  dk, dv = jax.lax.fori_loop(0, G, head, (jnp.zeros(dk_ref.shape, jnp.float32),
+                                          jnp.zeros(dv_ref.shape, jnp.float32)))
+  dk_ref[...] = dk
+  dv_ref[...] = dv
