@@ -7,6 +7,7 @@ lowering (`__gpu$xla.gpu.triton` custom calls, no [T, S] tensor), not Triton's o
 compilation to PTX, which happens on a GPU.
 """
 
+import contextlib
 import dataclasses
 import re
 
@@ -98,9 +99,20 @@ def _attention(q, k, v, **kw):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_values_and_lse_against_float64(case):
+  _check_values_and_lse(case, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_on_a_gpu_values_and_lse_against_float64(case):
+  """The same, compiled by Triton on an NVIDIA GPU (skipped where jax sees none)."""
+  _check_values_and_lse(case, interpret=False)
+
+
+def _check_values_and_lse(case, interpret):
   kw, allowed, score = CASES[case]
   q, k, v = _inputs()
-  with pallas_interpret():
+  with pallas_interpret() if interpret else contextlib.nullcontext():
     out, lse = _attention(q, k, v, **kw)
   sinks = kw.get("sinks")
   want, _ = reference_mods(q, k, v, allowed=allowed, score=score, sinks=sinks)
