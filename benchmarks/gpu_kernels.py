@@ -29,10 +29,8 @@ import argparse
 import contextlib
 import json
 import pathlib
-import random
 import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -41,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jattn  # noqa: E402
+from benchmarks.kernel_timing import interleaved, timed  # noqa: E402
 from jattn import mods  # noqa: E402
 from jattn._src.impl.interpret import pallas_interpret  # noqa: E402
 
@@ -77,21 +76,6 @@ def contenders(kw, others):
   return out
 
 
-def timed(fn, inputs, backward: bool):
-  if backward:
-    run = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
-                           argnums=(0, 1, 2)))
-  else:
-    run = jax.jit(fn)
-  jax.block_until_ready(run(*inputs))  # compile and warm up
-
-  def once():
-    start = time.perf_counter()
-    jax.block_until_ready(run(*inputs))
-    return time.perf_counter() - start
-  return once
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -125,12 +109,7 @@ def main():
       for backward in (False, True):
         with pallas_interpret() if args.smoke else contextlib.nullcontext():
           fns = {c: timed(f, inputs, backward) for c, f in contenders(kw, others).items()}
-          times = {c: [] for c in fns}
-          for _ in range(args.rounds):
-            order = list(fns)
-            random.shuffle(order)
-            for c in order:
-              times[c].append(fns[c]())
+          times = interleaved(fns, args.rounds)
         flops = 4 * args.B * args.N * args.H * T * T * visible * (2.5 if backward else 1)
         pass_ = "fwd+bwd" if backward else "fwd"
         for c, ts in times.items():

@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import random
 import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -41,8 +39,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jattn  # noqa: E402
+from benchmarks.kernel_timing import interleaved, timed  # noqa: E402
 from jattn._src.core.layout import Layout  # noqa: E402
 from jattn._src.core.modifiers import Modifiers  # noqa: E402
+from jattn._src.impl.block_sizes import default_block_sizes  # noqa: E402
 from jattn._src.impl.blockwise import blockwise_attention  # noqa: E402
 from jattn._src.kernels import flex_tpu  # noqa: E402
 from jattn._src.masks.programmable import build_mods  # noqa: E402
@@ -88,7 +88,8 @@ def contenders(args, name, spec):
     return flex_tpu.run(p, q, k, v, m, layout)[0]
 
   out["flex_tpu"] = flex
-  out["blockwise"] = lambda q, k, v: blockwise_attention(q, k, v, modifiers(), layout)[0]
+  out["blockwise"] = lambda q, k, v: blockwise_attention(
+      q, k, v, modifiers(), layout, block_sizes=default_block_sizes("tpu"))[0]
   if splash and not args.smoke:
     out["splash"] = splash_call(args, soft_cap=30.0 if splash == "soft_cap" else None)
   if name == "causal" and not args.smoke:
@@ -113,21 +114,6 @@ def splash_call(args, soft_cap):
     k, v = (jnp.repeat(jnp.einsum("bskh->bksh", x), G, axis=1) for x in (k, v))
     return jnp.einsum("bnth->btnh", jax.vmap(kernel)(q, k, v))
   return f
-
-
-def timed(fn, inputs, backward: bool):
-  if backward:
-    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))
-    run = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  else:
-    run = jax.jit(fn)
-  jax.block_until_ready(run(*inputs))  # compile and warm up
-
-  def once():
-    start = time.perf_counter()
-    jax.block_until_ready(run(*inputs))
-    return time.perf_counter() - start
-  return once
 
 
 def main():
@@ -162,12 +148,7 @@ def main():
     visible = spec[3]
     for backward in (False, True):
       fns = {c: timed(f, inputs, backward) for c, f in contenders(args, name, spec).items()}
-      times = {c: [] for c in fns}
-      for _ in range(args.rounds):
-        order = list(fns)
-        random.shuffle(order)
-        for c in order:
-          times[c].append(fns[c]())
+      times = interleaved(fns, args.rounds)
       flops = 4 * args.B * args.N * args.H * args.T * args.T * visible * (2.5 if backward else 1)
       base = statistics.median(times["flex_tpu"])
       for c, ts in times.items():

@@ -90,36 +90,23 @@ def _blockwise_plan(call, platform):
   return BlockwisePlan(call.block_sizes or default_block_sizes(platform))
 
 
-def _flex_tpu_plan(call, platform):
-  if call.has_mods and call.modifiers.mods.block_mask is not None:
-    block = call.block_sizes
-  else:
-    block = None
-  if not isinstance(call.scale, (int, float)):
-    return "a traced scale: the kernel takes a Python number"
-  d = call.dims
-  # the kernel reads the scale as a constant, and the ready-made mask mods traced
-  modifiers = call.modifiers.replace(scale=float(call.scale))
-  return flex_tpu.plan(B=d.B, T=d.T, S=d.S, N=d.N, K=d.K, H=d.H, D=d.D, dtype=call.dtype,
+def _flex_plan(kernel):
+  """plan(call, platform) of jattn's own kernels (flex_tpu, flex_gpu): the call's static
+  facts handed to the kernel's `plan`."""
+  def plan(call, platform):
+    if not isinstance(call.scale, (int, float)):
+      return "a traced scale: the kernel takes a Python number"
+    has_block_mask = call.has_mods and call.modifiers.mods.block_mask is not None
+    block = call.block_sizes if has_block_mask else None  # the block_mask's tiles
+    d = call.dims
+    # the kernel reads the scale as a constant, and the ready-made mask mods traced
+    modifiers = call.modifiers.replace(scale=float(call.scale))
+    return kernel.plan(B=d.B, T=d.T, S=d.S, N=d.N, K=d.K, H=d.H, D=d.D, dtype=call.dtype,
                        modifiers=modifiers, return_weights=call.return_weights,
                        block_q=None if block is None else block.q,
                        block_kv=None if block is None else block.kv,
                        interpret=call.interpret)
-
-
-def _flex_gpu_plan(call, platform):
-  if not isinstance(call.scale, (int, float)):
-    return "a traced scale: the kernel takes a Python number"
-  has_block_mask = call.has_mods and call.modifiers.mods.block_mask is not None
-  block = call.block_sizes if has_block_mask else None
-  d = call.dims
-  # the kernel reads the scale as a constant, and the ready-made mask mods traced
-  modifiers = call.modifiers.replace(scale=float(call.scale))
-  return flex_gpu.plan(B=d.B, T=d.T, S=d.S, N=d.N, K=d.K, H=d.H, D=d.D, dtype=call.dtype,
-                       modifiers=modifiers, return_weights=call.return_weights,
-                       block_q=None if block is None else block.q,
-                       block_kv=None if block is None else block.kv,
-                       interpret=call.interpret)
+  return plan
 
 
 IMPLEMENTATIONS = {
@@ -139,9 +126,9 @@ IMPLEMENTATIONS = {
         "pallas", kernel_plans.pallas_plan, fused.pallas_implementation,
         platforms=("cuda",), interpretable=True),
     "flex_tpu": Implementation(  # jattn's own TPU kernel: any mask_mod / score_mod
-        "flex_tpu", _flex_tpu_plan, flex_tpu.run, platforms=("tpu",), interpretable=True),
+        "flex_tpu", _flex_plan(flex_tpu), flex_tpu.run, platforms=("tpu",), interpretable=True),
     "flex_gpu": Implementation(  # jattn's own GPU kernel (Triton): any mask_mod / score_mod
-        "flex_gpu", _flex_gpu_plan, flex_gpu.run, platforms=("cuda",), interpretable=True),
+        "flex_gpu", _flex_plan(flex_gpu), flex_gpu.run, platforms=("cuda",), interpretable=True),
 }
 # "ring" is no entry: it is a shard_map over a mesh around the blockwise loop
 # (jattn/_src/impl/ring.py), chosen only by name.
