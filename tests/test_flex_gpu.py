@@ -174,6 +174,47 @@ def test_gradients_against_float64_central_differences(case):
                                atol=2e-4, err_msg=f"gradient {i}")
 
 
+def test_gradients_into_captured_arrays_in_the_kernel_same_bits_twice():
+  """A traced soft-cap and a per-[B, N] slope table read one element at a time: their
+  gradients come from the dq kernel's per-program partials, summed by a one-hot
+  contraction; against float64 central differences, and bit for bit on a rerun."""
+  T2, S2 = 100, 140  # several query and kv tiles: partials summed over both
+  q, k, v = _inputs(T=T2, S=S2, seed=5)
+  t, s = _grid(T2, S2)
+  rng = np.random.default_rng(6)
+  cot = rng.standard_normal((B, T2, N, H))
+  cap0, table0 = np.float32(3.0), rng.standard_normal((B, N)).astype(np.float32)
+
+  def loss(q, k, v, cap, table):
+    out = jattn.dot_product_attention(
+        q, k, v, implementation="flex_gpu", is_causal=True,
+        score_mod=lambda x, b, n, t, s: cap * jnp.tanh(x / cap)
+        + table[b, n] * (s - t).astype(jnp.float32) / T2)
+    return jnp.sum(out * cot)
+
+  grad = jax.jit(jax.grad(loss, argnums=(3, 4)))
+  with pallas_interpret():
+    d_cap, d_table = grad(q, k, v, cap0, table0)
+    again = grad(q, k, v, cap0, table0)
+  assert np.array_equal(d_cap, again[0]) and np.array_equal(d_table, again[1])
+
+  def reference(cap, table):
+    out, _ = reference_mods(q, k, v, allowed=s <= t,
+                            score=lambda l: cap * np.tanh(l / cap)
+                            + table[:, :, None, None] * (s - t) / T2)
+    return np.sum(out * cot)
+
+  cap, table = float(cap0), table0.astype(np.float64)  # steps of 1e-4 exact in float64
+  numeric_cap = (reference(cap + 1e-4, table) - reference(cap - 1e-4, table)) / 2e-4
+  np.testing.assert_allclose(d_cap, numeric_cap, rtol=2e-4, atol=2e-4)
+  numeric_table = np.zeros((B, N))
+  for index in np.ndindex(B, N):
+    e = np.zeros((B, N))
+    e[index] = 1e-4
+    numeric_table[index] = (reference(cap, table + e) - reference(cap, table - e)) / 2e-4
+  np.testing.assert_allclose(d_table, numeric_table, rtol=2e-4, atol=2e-4)
+
+
 def test_bfloat16_float16_and_the_columns_layout():
   """Half precision against float64 (float32 logits and softmax inside), tokens as columns
   (BNHT: each tile read after one transpose), H != D."""

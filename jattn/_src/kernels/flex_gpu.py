@@ -22,8 +22,11 @@ Backward: a custom VJP with a dq kernel (grid B, N, T / block_q) and a dk/dv
 kernel (grid B, K, S / block_kv, looping over the G query heads of the kv head
 and their non-EMPTY query tiles, summed in registers: no atomics), recomputing
 the weights from out and lse. Gradients into score_mod's captured float arrays
-(ALiBi slopes, a bias table, a traced cap) come from jattn's blockwise backward
-in pure JAX (exact, deterministic; XLA drops it when nothing asks for them).
+read one element at a time (ALiBi slopes, a [B, N] table, a traced cap): the dq
+kernel writes, per program, each read's gradient and its flat index, and XLA sums
+them by a one-hot contraction (no atomics: the same bits every run). A table
+read at positions (a relative bias) gets its gradient from jattn's blockwise
+backward in pure JAX (exact; XLA drops it when nothing asks for it).
 The kernels are in `flex_gpu_kernels`; docs/gpu_kernel.md has the design.
 """
 
@@ -78,8 +81,12 @@ class Plan:
   segments: bool = False
   # ((const index, "t" or "s"), ...): mask_mod's per-token arrays, read as rows
   mask_rows: tuple = ()
-  # score_mod captures float arrays: their gradients by the blockwise backward
-  score_grads: bool = False
+  # const index of each read of a float array captured by score_mod, in the order the
+  # tile evaluation reads them: the dq kernel returns one gradient per read
+  score_reads: tuple = ()
+  # score_mod reads a table at positions (a relative bias): the gradients of its
+  # captured arrays by the blockwise backward
+  score_grads_by_blockwise: bool = False
   num_warps: int = 4
   num_stages: int = 2
 
@@ -90,6 +97,10 @@ class Plan:
   @property
   def S_padded(self) -> int:
     return _round_up(self.S, self.block_kv)
+
+  @property
+  def reads_padded(self) -> int:  # the dq kernel's vector of read gradients
+    return max(_MIN_BLOCK, _next_power_of_two(len(self.score_reads)))
 
   @property
   def H_padded(self) -> int:  # Triton's tiles have power-of-two sides
@@ -149,8 +160,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   if (st.q_segment_ids is None) != (st.kv_segment_ids is None):
     return "segment ids for one side only"
   mods = m.mods
-  has_mask = has_score = score_grads = False
-  mask_rows = ()
+  has_mask = has_score = by_blockwise = False
+  mask_rows = score_reads = ()
   if mods is not None:
     if mods.block_mask is not None and not mods.has_mask:
       return "a block_mask without its mask_mod"
@@ -164,7 +175,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
         return f"{kind}: {got}"
       reads, rows, tables = got
       if kind == "score_mod":
-        score_grads = bool(reads) or bool(tables)
+        by_blockwise = bool(tables)
+        score_reads = () if tables else reads
       else:
         mask_rows = rows
     has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
@@ -174,15 +186,16 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
               skip=has_mask or bool(st.is_causal) or window is not None,
               q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
               segments=st.q_segment_ids is not None, mask_rows=mask_rows,
-              score_grads=score_grads)
+              score_reads=score_reads, score_grads_by_blockwise=by_blockwise)
 
 
 def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
   """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
   if modifiers.mods is not None:
     modifiers = modifiers.replace(mods=modifiers.mods.traced())
-    _, rows, _ = tile_mods.const_indices(modifiers.mods)
-    plan_ = dataclasses.replace(plan_, mask_rows=rows)  # of this trace (see const_indices)
+    # the const indices of this trace (see tile_mods.const_indices)
+    reads, rows, tables = tile_mods.const_indices(modifiers.mods)
+    plan_ = dataclasses.replace(plan_, mask_rows=rows, score_reads=() if tables else reads)
   out, lse = _attention(plan_, layout, query, key, value, modifiers)
   if not layout.has_batch:
     lse = lse[0]
@@ -212,15 +225,14 @@ def _backward(plan_, layout, residuals, cotangents):
   d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
   query, key, value, modifiers, out, lse = residuals
   mods = modifiers.mods
-  d_q, d_k, d_v = kernels.backward(plan_, layout, query, key, value, modifiers, out, lse,
-                                   d_out)
+  d_q, d_k, d_v, d_consts = kernels.backward(plan_, layout, query, key, value, modifiers,
+                                             out, lse, d_out)
   d_mods = None
   if mods is not None:
     o, d_o = with_batch(out, layout), with_batch(d_out, layout)
     d_sinks = None if mods.sinks is None else sinks_grad(
         o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
-    d_consts = (None,) * len(mods.score_consts)
-    if plan_.score_grads:
+    if plan_.score_grads_by_blockwise:
       d_consts = _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out,
                                          lse, d_out)
     d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)

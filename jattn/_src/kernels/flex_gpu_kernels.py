@@ -199,26 +199,38 @@ def _logits(p: Plan, r: _Reads, b, n, i, j, q, k, *, full, with_vjp=False):
   """One tile's logits: q k^T, scale, score_mod, then every mask.
 
   -> (s float32 [bq, bk], LARGE_NEGATIVE where masked; keep bool [bq, bk] or None;
-  d_score: ds -> ds through score_mod). full: causal, window and mask_mod hide
-  nothing in this tile (its block class): only lengths, segments and padding apply.
+  d_score). full: causal, window and mask_mod hide nothing in this tile (its block
+  class): only lengths, segments and padding apply. with_vjp: d_score(ds) -> (ds
+  through score_mod, (d each float read of a captured array: scalars, in the order
+  of `Plan.score_reads`), (its flat index in its array: int32 scalars)).
   """
   tm, bq, bk = r.tm, p.block_q, p.block_kv
   tile = (bq, bk)
   s = _dot(q, k, ((1,), (1,)), q.dtype) * p.scale  # [bq, bk]
   t_pos = jnp.broadcast_to(i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None], tile)
   s_pos = jnp.broadcast_to(j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :], tile)
-  d_score = lambda ds: ds
+  d_score = lambda ds: (ds, (), ())
   if tm.score_jaxpr is not None:
-    def score(x):
-      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta,
-                             r.read(r.score_consts, tm.score_meta), [x, b, n, t_pos, s_pos],
+    def score(x, *eps):
+      # each float read plus its own zero eps: d loss / d eps = the read's gradient
+      base, flats = r.read(r.score_consts, tm.score_meta), []
+
+      def read(ci, flat):
+        value = base(ci, flat)
+        if eps and jnp.issubdtype(tm.score_meta[ci][1], jnp.floating):
+          value = value + eps[len(flats)]
+          flats.append(flat)
+        return value
+
+      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
                              tile, positions={3: "t", 4: "s"}, read_table=r.read_table)[0]
-      return jnp.broadcast_to(y, tile).astype(jnp.float32)
+      return jnp.broadcast_to(y, tile).astype(jnp.float32), tuple(flats)
     if with_vjp:
-      s, vjp = jax.vjp(score, s)
-      d_score = lambda ds: vjp(ds)[0]
+      eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads)
+      s, vjp, flats = jax.vjp(score, s, *eps, has_aux=True)
+      d_score = lambda ds: (lambda g: (g[0], g[1:], flats))(vjp(ds))
     else:
-      s = score(s)
+      s = score(s)[0]
   keep = None
 
   def both(a, c):
@@ -339,10 +351,16 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
   row = lambda width: pl.BlockSpec((None, None, bq, width), lambda b, n, i: (b, n, i, 0))
   kv_all = lambda width: pl.BlockSpec((None, None, Sp, width), lambda b, n, i: (b, n // G, 0, 0))
   stat = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
-  dq = _call(functools.partial(_dq_kernel, p=p, tm=tm), (p.B, p.N, Tp // bq),
-             [row(Hp), kv_all(Hp), kv_all(Dp), row(Dp), stat, stat] + [_whole(x) for x in extras],
-             row(Hp), jax.ShapeDtypeStruct((p.B, p.N, Tp, Hp), jnp.float32), p,
-             "jattn_flex_gpu_dq")(q, k, v, do, lse, delta, *extras)
+  reads = pl.BlockSpec((None, None, None, p.reads_padded), lambda b, n, i: (b, n, i, 0))
+  nq = Tp // bq
+  dq, d_reads, flats = _call(
+      functools.partial(_dq_kernel, p=p, tm=tm), (p.B, p.N, nq),
+      [row(Hp), kv_all(Hp), kv_all(Dp), row(Dp), stat, stat] + [_whole(x) for x in extras],
+      [row(Hp), reads, reads],
+      [jax.ShapeDtypeStruct((p.B, p.N, Tp, Hp), jnp.float32),
+       jax.ShapeDtypeStruct((p.B, p.N, nq, p.reads_padded), jnp.float32),
+       jax.ShapeDtypeStruct((p.B, p.N, nq, p.reads_padded), jnp.int32)], p,
+      "jattn_flex_gpu_dq")(q, k, v, do, lse, delta, *extras)
 
   # dk, dv: a program per kv tile of kv head h, over the G query heads of h and their
   # query tiles; the group is summed in registers (no atomics)
@@ -364,36 +382,66 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
   dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
   if not layout.has_batch:
     dq, dk, dv = dq[0], dk[0], dv[0]
-  return dq, dk, dv
+  return dq, dk, dv, _consts_grads(p, tm, d_reads, flats)
+
+
+def _consts_grads(p: Plan, tm: _Mods, d_reads, flats) -> tuple:
+  """float32 gradient of each float array score_mod reads one element at a time (None for
+  the others), from the dq kernel's per-program partials: summed by XLA in a fixed
+  order (a one-hot contraction: no scatter, no atomics), the same bits every run."""
+  grads = [None] * len(tm.score_meta)
+  R = len(p.score_reads)
+  d_reads, flats = d_reads[..., :R], flats[..., :R]  # [B, N, nq, R]; -1: no tile visited
+  for ci, (shape, dtype) in enumerate(tm.score_meta):
+    if ci not in p.score_reads:
+      continue
+    size = int(np.prod(shape, dtype=np.int64))
+    mine = np.asarray([c == ci for c in p.score_reads])  # [R]
+    onehot = (flats[..., None] == jnp.arange(size, dtype=jnp.int32)) & mine[:, None]
+    grads[ci] = jnp.einsum("bnir,bnirf->f", d_reads, onehot.astype(jnp.float32)).reshape(shape)
+  return tuple(grads)
 
 
 def _tile_grads(p, r, b, n, i, j, q, k, v, do, lse, delta, full):
-  """-> (probs [bq, bk] float32, d (scale q k^T) [bq, bk] float32 times scale)."""
+  """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32, d reads [Rp], their flat
+  indices [Rp] int32 (-1 past the reads))."""
   s, keep, d_score = _logits(p, r, b, n, i, j, q, k, full=full, with_vjp=True)
   probs = jnp.exp(s - lse[:, None])
   if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
     probs = jnp.where(keep, probs, 0.0)
   dp = _dot(do, v, ((1,), (1,)), v.dtype)  # dP [bq, bk] = dO v^T
-  return probs, d_score(probs * (dp - delta[:, None])) * p.scale
+  ds, d_reads, flats = d_score(probs * (dp - delta[:, None]))
+  lane = jnp.arange(p.reads_padded, dtype=jnp.int32)
+  d_vec = jnp.zeros((p.reads_padded,), jnp.float32)
+  f_vec = jnp.full((p.reads_padded,), -1, jnp.int32)
+  for slot, (d, f) in enumerate(zip(d_reads, flats)):  # a vector of the scalars
+    d_vec = jnp.where(lane == slot, d, d_vec)
+    f_vec = jnp.where(lane == slot, f, f_vec)
+  return probs, ds * p.scale, d_vec, f_vec
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods):
-  r = _Reads(p, tm, refs[:-1])
-  dq_ref = refs[-1]
+  """dq of one query tile; with score_mod's float reads, also their gradients summed over
+  the tile's kv tiles and their flat indices (one [Rp] vector each per program)."""
+  r = _Reads(p, tm, refs[:-3])
+  dq_ref, dr_ref, fr_ref = refs[-3:]
   b, n, i = (pl.program_id(a) for a in range(3))
   bk = p.block_kv
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
-  def body(step, dq):
+  def body(step, carry):
+    dq, d_reads, _ = carry
     j = r.kv_tile(b, n, i, step)
     k = k_ref[pl.ds(j * bk, bk), :]
     v = v_ref[pl.ds(j * bk, bk), :]
-    ds = _by_class(r, b, n, i, j, lambda full: _tile_grads(
-        p, r, b, n, i, j, q, k, v, do, lse, delta, full)[1])
-    return dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)), k.dtype)  # dQ += dS k
+    _, ds, d_tile, flats = _by_class(r, b, n, i, j, lambda full: _tile_grads(
+        p, r, b, n, i, j, q, k, v, do, lse, delta, full))
+    # dQ += dS k
+    return dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)), k.dtype), d_reads + d_tile, flats
 
-  dq_ref[...] = jax.lax.fori_loop(0, r.kv_count(b, n, i), body,
-                                  jnp.zeros(dq_ref.shape, jnp.float32))
+  init = (jnp.zeros(dq_ref.shape, jnp.float32), jnp.zeros(dr_ref.shape, jnp.float32),
+          jnp.full(fr_ref.shape, -1, jnp.int32))
+  dq_ref[...], dr_ref[...], fr_ref[...] = jax.lax.fori_loop(0, r.kv_count(b, n, i), body, init)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods):
@@ -412,7 +460,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
       rows = pl.ds(i * bq, bq)
       q, do = q_ref[g, rows, :], do_ref[g, rows, :]
       probs, ds = _by_class(r, b, n, i, j, lambda full: _tile_grads(
-          p, r, b, n, i, j, q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], full))
+          p, r, b, n, i, j, q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], full)[:2])
       dv = dv + _dot(probs.astype(do.dtype), do, ((0,), (0,)), do.dtype)  # dV += P^T dO
       dk = dk + _dot(ds.astype(q.dtype), q, ((0,), (0,)), q.dtype)  # dK += dS^T q
       return dk, dv
