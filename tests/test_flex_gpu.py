@@ -89,6 +89,10 @@ CASES = {
     "soft_cap_sinks": (
         dict(is_causal=True, score_mod=mods.soft_cap(5.0), sinks=jnp.linspace(-1.0, 1.0, N)),
         s_ <= t_, lambda l: 5.0 * np.tanh(l / 5.0)),
+    "chunks_or_window_and_causal": (
+        dict(mask_mod=mods.and_masks(mods.or_masks(mods.chunked(16), mods.sliding_window(3)),
+                                     mods.causal())),
+        ((t_ // 16 == s_ // 16) | ((t_ - 3 <= s_) & (s_ <= t_))) & (s_ <= t_), None),
 }
 
 
