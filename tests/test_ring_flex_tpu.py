@@ -1,0 +1,82 @@
+"""Ring attention's TPU branch runs the flex_tpu kernel for every ring step.
+
+On this CPU: the kernel at traced global offsets (one ring step) in Pallas interpret
+mode against float64 NumPy; the ring itself on 8 simulated devices in a subprocess
+(tests/multidevice/ring_flex_tpu_cases.py: interpret mode and `jax.export` for TPU);
+and which step each platform runs, from `jattn.explain_calls()`. No TPU: nothing here
+says how fast the kernel is.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.kernels import flex_tpu
+from jattn._src.masks.programmable import build_mods
+from jattn._src.masks.structural import MaskSpec
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from reference_grads import reference_vjp  # noqa: E402
+
+# two query tiles of 8 and two key tiles of 128; the step's first query and key are
+# at global positions 200 and 64, so at local positions the band would see other tiles
+B, T, S, N, K, H = 1, 16, 256, 2, 1, 8
+Q_OFFSET, KV_OFFSET = 200, 64
+
+
+def band(b, n, t, s):
+  """Hand-written, of absolute positions: a band around the diagonal (one key wider per
+  head), without the keys s = 3 mod 7."""
+  return (s >= t - 10) & (s <= t + 2 + n) & (s % 7 != 3)
+
+
+def test_one_step_at_global_offsets_values_lse_and_gradients():
+  """The kernel's step_forward / step_backward at offsets (traced, under jit), causal,
+  a hand-written mask_mod and ALiBi, against float64 NumPy at the global positions."""
+  rng = np.random.default_rng(0)
+  q, k, v, d_out = (rng.standard_normal(s) for s in ((B, T, N, H), (B, S, K, H),
+                                                      (B, S, K, H), (B, T, N, H)))
+  slopes = np.array([0.5, -0.25])
+  t = Q_OFFSET + np.arange(T)[:, None]
+  s = KV_OFFSET + np.arange(S)[None, :]
+  mask = np.broadcast_to(band(0, np.arange(N)[:, None, None], t, s), (B, N, T, S))
+  mask = mask & (s <= t)
+  bias = slopes[None, :, None, None] * (s - t)
+  out_w, dq_w, dk_w, dv_w, dl = reference_vjp(q, k, v, d_out, bias, mask=mask)
+  logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, N, axis=2)) / np.sqrt(H) + bias
+  top = np.max(np.where(mask, logits, -np.inf), axis=-1)
+  lse_w = top + np.log(np.sum(np.where(mask, np.exp(logits - top[..., None]), 0.0), -1))
+  d_slopes_w = np.einsum("bnts,ts->n", dl, (s - t).astype(np.float64))
+  assert mask.any(-1).all() and not mask.all()
+
+  lay = Layout("BTNH")
+
+  def modifiers(sl):
+    return Modifiers(structure=MaskSpec(is_causal=True), scale=1 / np.sqrt(H),
+                     mods=build_mods(band, jattn.mods.alibi(sl), None, None, N=N))
+
+  plan = flex_tpu.plan(B=B, T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32,
+                       modifiers=modifiers(jnp.zeros(N)), block_q=8, block_kv=128,
+                       interpret=True, offsets=True)
+  assert not isinstance(plan, str), plan
+
+  @jax.jit
+  def step(q, k, v, sl, d_out, q_offset, kv_offset):
+    m = modifiers(sl)
+    out, lse = flex_tpu.step_forward(plan, lay, q, k, v, m.mods, q_offset, kv_offset)
+    grads = flex_tpu.step_backward(plan, lay, q, k, v, m, q_offset, kv_offset, out, lse,
+                                   d_out)
+    return out, lse, grads
+
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  out, lse, (dq, dk, dv, d_consts) = step(f32(q), f32(k), f32(v), f32(slopes), f32(d_out),
+                                          Q_OFFSET, KV_OFFSET)
+  np.testing.assert_allclose(out, out_w, atol=2e-6)
+  np.testing.assert_allclose(lse, lse_w, atol=2e-5, rtol=1e-6)
+  for got, want in ((dq, dq_w), (dk, dk_w), (dv, dv_w), (d_consts[0], d_slopes_w)):
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
