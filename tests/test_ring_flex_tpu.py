@@ -12,6 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jattn
 from jattn._src.core.layout import Layout
@@ -19,6 +20,7 @@ from jattn._src.core.modifiers import Modifiers
 from jattn._src.kernels import flex_tpu
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
+from tests.test_ring import assert_checks_pass
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from reference_grads import reference_vjp  # noqa: E402
@@ -80,3 +82,37 @@ def test_one_step_at_global_offsets_values_lse_and_gradients():
   np.testing.assert_allclose(lse, lse_w, atol=2e-5, rtol=1e-6)
   for got, want in ((dq, dq_w), (dk, dk_w), (dv, dv_w), (d_consts[0], d_slopes_w)):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_each_platform_reports_its_step_and_the_kernel_reason():
+  """TPU runs the kernel per step; CPU keeps the blockwise loop (the same program as
+  before); a call the kernel refuses keeps blockwise on TPU, with the reason."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+  q = jax.ShapeDtypeStruct((1, 32, 2, 8), jnp.float32)
+  slopes = jnp.ones(2)
+  with jattn.explain_calls() as reports:
+    jax.eval_shape(lambda q: jattn.ring_attention(
+        q, q, q, mesh=mesh, is_causal=True, score_mod=jattn.mods.alibi(slopes)), q)
+    jax.eval_shape(lambda q: jattn.ring_attention(
+        q, q, q, mesh=mesh, key_value_seq_lengths=jnp.asarray([3])), q)
+  kernel, lengths = reports
+  assert kernel.implementation("tpu") == "ring"
+  step = kernel.choices["tpu"].plan
+  assert step.implementation == "flex_tpu" and step.plan.offsets and step.plan.is_causal
+  assert kernel.choices["cpu"].plan.implementation == "blockwise"
+  assert lengths.choices["tpu"].plan.implementation == "blockwise"
+  assert "sequence lengths" in lengths.reasons("tpu")["flex_tpu"]
+  lines = {line.split(":")[0]: line for line in str(kernel).splitlines()}
+  assert lines["tpu"].startswith("tpu: ring  each step runs flex_tpu: Plan(")
+  assert "sequence lengths" in str(lengths)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cases,count", [
+    ("quick", 2), pytest.param("all", 9, marks=pytest.mark.thorough)])
+def test_ring_runs_the_kernel_per_step_interpreted_and_exported(cases, count):
+  """8 simulated devices: the export for TPU of a ring's gradient holds the forward, dq
+  and dk/dv Mosaic kernels and no [T, S] tensor; in interpret mode, causal zig-zag with
+  a hand-written mask_mod and ALiBi: out, lse and gradients (slopes too) against float64.
+  "all" adds T != S, grouped heads, mods.document, relative_bias and a refused call."""
+  assert_checks_pass("ring_flex_tpu_cases.py", cases, count)

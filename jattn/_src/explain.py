@@ -36,8 +36,10 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
   """
   implementation = check_implementation(implementation, block_sizes)
   if implementation == "ring":
-    raise ValueError("explain covers the single-device implementations; "
-                     "implementation='ring' runs blockwise on each device of the mesh")
+    raise ValueError("explain covers the single-device implementations; for "
+                     "implementation='ring', jattn.explain_calls() around the call reports "
+                     "what each ring step runs per platform (flex_tpu on TPU where it takes "
+                     "the step, else blockwise) and why the kernel refused")
   # Every array (or ShapeDtypeStruct) in the arguments becomes a tracer: shapes
   # and dtypes, no data. One object passed twice (q_segment_ids is
   # kv_segment_ids) stays one tracer, since the kernels' plans compare them.
