@@ -37,7 +37,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 TOL = 2e-5  # float32 against float64, relative to the largest entry (at least 1)
 # d slopes sums T S terms dL (s - t) in float32: the blockwise loop is 1.6e-5 off too
 SCORE_TOL = 1e-4
-B, H = 1, 8
+B, H = 1, 8  # B = 2 in the case on a 2x2x2 mesh
 EMPTY_LSE = -0.7 * float(np.finfo(np.float32).max)  # a row with no key, as jax.nn
 
 
@@ -56,11 +56,14 @@ def reference_lse(logits, allowed):
 
 
 def case(name, *, devices, T, S, N, K, is_causal, mask_mod=None, mask=None, score=None,
-         sinks=None, kv_lengths=None, expect="flex_tpu", seed=0):
-  """Ring over `devices` devices, kernel tiles 8 x 128. mask: mask_mod's dense [B, N, T, S]
+         sinks=None, kv_lengths=None, expect="flex_tpu", cube=False, seed=0):
+  """Ring over `devices` devices, kernel tiles 8 x 128; cube: on a 2x2x2 mesh of data,
+  model and seq instead, with B = 2 (the kernel at one device's B, N and K).
+  mask: mask_mod's dense [B, N, T, S]
   (else evaluated here on the grid); score: None, ("alibi", slopes [N]) or
   ("relative", table [N, 2M + 1]), whose array's gradient is checked too; sinks [N]: in
   the reference one more key, of logit sinks[n] and value 0, visible to every row."""
+  B = 2 if cube else 1
   rng = np.random.default_rng(seed)
   q, k, v, d_out = (rng.standard_normal(s) for s in ((B, T, N, H), (B, S, K, H),
                                                       (B, S, K, H), (B, T, N, H)))
@@ -104,6 +107,9 @@ def case(name, *, devices, T, S, N, K, is_causal, mask_mod=None, mask=None, scor
       mods.alibi if score[0] == "alibi" else mods.relative_bias)
 
   mesh = Mesh(np.array(jax.devices()[:devices]), ("seq",))
+  axes = dict(batch_axis_name="data", head_axis_name="model") if cube else {}
+  if cube:
+    mesh = jax.make_mesh((2, 2, 2), ("data", "model", "seq"))
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   lengths = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
 
@@ -115,7 +121,7 @@ def case(name, *, devices, T, S, N, K, is_causal, mask_mod=None, mask=None, scor
         score_mod=None if score is None else score_mod(table),
         sinks=None if sinks is None else captured.pop(0),
         key_value_seq_lengths=lengths, block_sizes=jattn.BlockSizes(q=8, kv=128),
-        return_residual=True)
+        return_residual=True, **axes)
 
   @jax.jit  # one program: compiling the interpreted kernels is most of the time
   def values_and_grads(args, d_out):
@@ -211,6 +217,8 @@ def main():
          dict(devices=4, T=32, S=32, N=2, K=1, is_causal=True,
               mask_mod=mods.document(jnp.asarray(ids), jnp.asarray(ids)),
               mask=np.broadcast_to(same_doc, (B, 2, 32, 32)), score=("relative", table))),
+        ("2x2x2 mesh (batch, heads and sequence sharded), causal zig-zag, N=4 on K=2",
+         dict(devices=8, T=32, S=32, N=4, K=2, is_causal=True, cube=True)),
         ("kv lengths: the kernel refuses, the steps run blockwise (causal zig-zag)",
          dict(devices=2, T=32, S=32, N=2, K=1, is_causal=True,
               kv_lengths=np.array([21]), expect="blockwise")),
