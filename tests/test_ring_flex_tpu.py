@@ -107,6 +107,22 @@ def test_each_platform_reports_its_step_and_the_kernel_reason():
   assert "sequence lengths" in str(lengths)
 
 
+def test_explain_ring_under_a_mesh_names_the_step_and_the_reason():
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+  with jax.set_mesh(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))):
+    kernel = jattn.explain(q, q, q, implementation="ring", is_causal=True,
+                           mask_mod=lambda b, n, t, s: s % 3 != 1)
+    refused = jattn.explain(q, q, q, implementation="ring", key_value_seq_lengths=lengths)
+  assert kernel.choices["tpu"].plan.implementation == "flex_tpu"
+  assert kernel.choices["tpu"].plan.plan.has_mask_mod
+  assert kernel.choices["cpu"].plan.implementation == "blockwise"
+  assert refused.choices["tpu"].plan.implementation == "blockwise"
+  assert refused.reasons("tpu") == {"flex_tpu": "sequence lengths: not in the kernel yet"}
+  with pytest.raises(ValueError, match="needs a mesh with a 'seq' axis"):
+    jattn.explain(q, q, q, implementation="ring")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cases,count", [
     ("quick", 2), pytest.param("all", 10, marks=pytest.mark.thorough)])

@@ -52,9 +52,10 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   step runs jattn's flex_tpu Pallas kernel instead (forward and backward, the
   mods, causal mask and block skipping at the step's global positions; block_sizes,
   if given, are its tiles), wherever the kernel takes the step; where it cannot
-  (lengths, segment ids, tiles it refuses, ...), blockwise, and
-  `jattn.explain_calls()` around the call reports each platform's step and the
-  kernel's reason.
+  (lengths, segment ids, tiles it refuses, ...), blockwise; each platform's step
+  and the kernel's reason are reported by `jattn.explain(...,
+  implementation="ring")` inside `jax.set_mesh`, or `jattn.explain_calls()`
+  around the call.
 
   return_residual=True returns (out, lse) as `dot_product_attention`.
 
