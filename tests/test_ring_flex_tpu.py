@@ -125,11 +125,11 @@ def test_explain_ring_under_a_mesh_names_the_step_and_the_reason():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cases,count", [
-    ("quick", 2), pytest.param("all", 10, marks=pytest.mark.thorough)])
+    ("quick", 2), pytest.param("all", 11, marks=pytest.mark.thorough)])
 def test_ring_runs_the_kernel_per_step_interpreted_and_exported(cases, count):
   """8 simulated devices: the export for TPU of a ring's gradient holds the forward, dq
   and dk/dv Mosaic kernels and no [T, S] tensor; in interpret mode, causal zig-zag with
   a hand-written mask_mod and ALiBi: out, lse and gradients (slopes too) against float64.
-  "all" adds T != S, grouped heads, sinks, mods.document, relative_bias, a 2x2x2 mesh
+  "all" adds T != S, grouped heads, sinks, mods.document, relative_bias, bfloat16, a 2x2x2 mesh
   (batch and heads sharded too) and a refused call."""
   assert_checks_pass("ring_flex_tpu_cases.py", cases, count)
