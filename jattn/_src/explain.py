@@ -8,7 +8,7 @@ import numpy as np
 from jattn._src import dispatch
 from jattn._src.dispatch import Explanation
 from jattn._src.call import make_call
-from jattn._src.dot_product_attention import check_implementation
+from jattn._src.dot_product_attention import check_implementation, dot_product_attention
 from jattn._src.impl import interpret
 from jattn._src.impl.registry import PLATFORMS
 
@@ -24,6 +24,10 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
   Bad arguments raise what `dot_product_attention` raises; an implementation that
   cannot take the call is reported, not raised.
 
+  implementation="ring" (inside `jax.set_mesh`, as the call itself): for each
+  platform "ring" with what every ring step runs (`RingStep`: "flex_tpu" on TPU
+  where the kernel takes the step, else "blockwise") and the kernel's reason.
+
   Examples:
     >>> import jax, jax.numpy as jnp, jattn
     >>> q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)   # [B, T, N, H]
@@ -36,8 +40,7 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
   """
   implementation = check_implementation(implementation, block_sizes)
   if implementation == "ring":
-    raise ValueError("explain covers the single-device implementations; "
-                     "implementation='ring' runs blockwise on each device of the mesh")
+    return _explain_ring(query, key, value, bias, mask, block_sizes, kwargs)
   # Every array (or ShapeDtypeStruct) in the arguments becomes a tracer: shapes
   # and dtypes, no data. One object passed twice (q_segment_ids is
   # kv_segment_ids) stays one tracer, since the kernels' plans compare them.
@@ -58,6 +61,20 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
   for platform in PLATFORMS:
     choices[platform] = dispatch.choose(call, implementation, platform)
   return Explanation(choices)
+
+
+def _explain_ring(query, key, value, bias, mask, block_sizes, kwargs) -> Explanation:
+  """The report the ring call records, traced on shapes alone (nothing computed)."""
+  arrays = {name: x for name, x in kwargs.items() if _all_arrays(x)}
+  static = {name: x for name, x in kwargs.items() if name not in arrays}
+
+  def ring(query, key, value, bias, mask, arrays):
+    return dot_product_attention(query, key, value, bias, mask, implementation="ring",
+                                 block_sizes=block_sizes, **static, **arrays)
+
+  with dispatch.explain_calls() as reports:
+    jax.eval_shape(ring, query, key, value, bias, mask, arrays)
+  return reports[0]
 
 
 def _all_arrays(x) -> bool:

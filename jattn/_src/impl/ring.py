@@ -14,7 +14,11 @@ from jattn._src.core.attend import default_scale
 from jattn._src.masks.block_mask import check_block_mask
 from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.call import check_arrays, lengths as _lengths, segment_ids as _segment_ids
-from jattn._src.dispatch import per_platform, residual_in_layout
+from jattn._src.dispatch import Choice, per_platform, record, residual_in_layout
+from jattn._src.impl import interpret
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.kernels import flex_tpu
+from jattn._src.masks.structural import MaskSpec
 from jattn._src.impl.registry import PLATFORMS
 from jattn._src.core.layout import Layout, parse_layout
 from jattn._src.masks.programmable import build_mods
@@ -44,7 +48,14 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   ppermutes, and the output comes back in the original order the same way.
 
   Within a device each step runs the blockwise implementation (block_sizes,
-  default per platform), so per-device memory is linear in T / P.
+  default per platform), so per-device memory is linear in T / P. On TPU each
+  step runs jattn's flex_tpu Pallas kernel instead (forward and backward, the
+  mods, causal mask and block skipping at the step's global positions; block_sizes,
+  if given, are its tiles), wherever the kernel takes the step; where it cannot
+  (lengths, segment ids, tiles it refuses, ...), blockwise; each platform's step
+  and the kernel's reason are reported by `jattn.explain(...,
+  implementation="ring")` inside `jax.set_mesh`, or `jattn.explain_calls()`
+  around the call.
 
   return_residual=True returns (out, lse) as `dot_product_attention`.
 
@@ -110,22 +121,69 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   if not lay.has_batch:
     query, key, value = (x[None] for x in (query, key, value))
     lay = Layout("B" + lay.query)
-  # Each platform's default block sizes (clipped to one device's chunk), chosen
-  # when the program is lowered: one branch when they agree.
+  # What each step runs on each platform (the flex_tpu kernel on TPU where it takes
+  # the step, else the blockwise loop with the platform's block sizes, clipped to one
+  # device's chunk), chosen when the program is lowered: one branch when they agree.
   chunk_t, chunk_s = T // num_devices, S // num_devices
-  branches = {}
+  local = _local_dims(dims, mesh, batch_axis_name, head_axis_name)
+  structure = MaskSpec(is_causal=is_causal, q_lengths=q_len, kv_lengths=kv_len,
+                       q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+  modifiers = Modifiers(structure=structure, mods=mods, scale=float(scale))
+  steps = (chunk_t // (2 if zigzag else 1), chunk_s // (2 if zigzag else 1))
+  branches, choices = {}, []
   for platform in PLATFORMS:
     sizes = (block_sizes or default_block_sizes(platform)).clipped(chunk_t, chunk_s)
-    branches[platform] = (sizes, functools.partial(
+    kernel = _step_kernel(platform, local, steps, query.dtype, modifiers, block_sizes)
+    if isinstance(kernel, flex_tpu.Plan):
+      step, passed_over = RingStep("flex_tpu", kernel), ()
+    else:  # not tried (None), or refused: the reason goes into the report
+      step, passed_over = RingStep("blockwise", sizes), (() if kernel is None else (
+          ("flex_tpu", kernel),))
+      kernel = None
+    choices.append(Choice(platform, "ring", step, passed_over))
+    branches[platform] = (step, functools.partial(
         _sharded, mesh=mesh, axis_name=axis_name, batch_axis_name=batch_axis_name,
         head_axis_name=head_axis_name, num_devices=num_devices, scale=float(scale),
-        is_causal=is_causal, zigzag=zigzag, layout=lay, block_sizes=sizes))
+        is_causal=is_causal, zigzag=zigzag, layout=lay, block_sizes=sizes, kernel=kernel))
+  record(choices)
   out, lse = per_platform(branches, query, key, value, q_len, kv_len, q_ids, kv_ids, mods)
   lse = residual_in_layout(lse, lay, out.dtype)  # [B, T, N] for "BTNH"
   if not dims["has_batch"]:
     out, lse = out[0], lse[0]
   out, lse = home(out, lse)
   return (out, lse) if return_residual else out
+
+
+@dataclasses.dataclass(frozen=True)
+class RingStep:
+  """What every step of the ring runs on one platform (the plan in its report)."""
+
+  implementation: str  # "flex_tpu" (the Pallas kernel) or "blockwise" (the lax loop)
+  plan: object  # the kernel's `flex_tpu.Plan`, or the loop's `BlockSizes`
+
+  def __str__(self) -> str:
+    return f"each step runs {self.implementation}: {self.plan}"
+
+
+def _step_kernel(platform, local, steps, dtype, modifiers, block_sizes):
+  """The flex_tpu plan of one step (a query chunk against a key/value chunk, at traced
+  global offsets) on `platform`, or the reason it refuses the step; None where it is
+  not tried: any platform but TPU, unless inside `pallas_interpret()` (tests)."""
+  interpreting = interpret.interpreting()
+  if platform != "tpu" and not interpreting:
+    return None
+  return flex_tpu.plan(B=local["B"], T=steps[0], S=steps[1], N=local["N"], K=local["K"],
+                       H=local["H"], D=local["D"], dtype=dtype, modifiers=modifiers,
+                       block_q=None if block_sizes is None else block_sizes.q,
+                       block_kv=None if block_sizes is None else block_sizes.kv,
+                       interpret=interpreting, offsets=True)
+
+
+def _local_dims(dims, mesh, batch_axis_name, head_axis_name) -> dict:
+  """B, N, K of one device (the batch and heads split over their mesh axes), H, D."""
+  split = lambda size, axis: size if axis is None else size // mesh.shape[axis]
+  return dict(B=split(dims["B"], batch_axis_name), N=split(dims["N"], head_axis_name),
+              K=split(dims["K"], head_axis_name), H=dims["H"], D=dims["D"])
 
 
 # The mesh axis names that dot_product_attention(implementation="ring") uses.
@@ -196,14 +254,14 @@ def _check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims, chunks) 
 # first mesh's shardings and fail. Callers jit the whole step anyway.
 def _sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, mods, *, mesh, axis_name,
              batch_axis_name, head_axis_name, num_devices, scale, is_causal,
-             zigzag, layout: Layout, block_sizes: BlockSizes):
+             zigzag, layout: Layout, block_sizes: BlockSizes, kernel=None):
   T, S = query.shape[layout.axis("T")], key.shape[layout.axis("S")]
   mesh_axis = {"B": batch_axis_name, "T": axis_name, "S": axis_name,
                "N": head_axis_name, "K": head_axis_name}
   spec = lambda letters: PartitionSpec(*(mesh_axis.get(c) for c in letters))
   chunks = 2 if zigzag else 1
   ring = Ring(axis_name, num_devices, chunks, scale, is_causal, layout,
-              block_sizes)
+              block_sizes, kernel)
 
   def local(q, k, v, q_ids, kv_ids, q_len, kv_len, mods):
     if zigzag:

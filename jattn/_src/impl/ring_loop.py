@@ -8,7 +8,9 @@ ever held more than one block of K/V.
 
 Within a device, each step is the blockwise implementation's raw forward over
 (local queries x visiting K/V), so memory is linear in the block lengths, and
-blocks that the causal, length or segment masks rule out are skipped.
+blocks that the causal, length or segment masks rule out are skipped; or, where
+`Ring.kernel` holds a flex_tpu plan (the TPU branch), the flex_tpu Pallas kernel
+at the step's global offsets (`flex_tpu.step_forward` / `step_backward`).
 
 The backward pass (a custom VJP) is a second trip around the ring: each K/V
 block travels with its own gradient accumulators dK, dV; every device adds its
@@ -37,6 +39,7 @@ from jattn._src.masks.structural import MaskSpec
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 from jattn._src.core.softmax import LARGE_NEGATIVE
+from jattn._src.kernels import flex_tpu
 
 _ROWS = "BNT"  # one value per query row and head: lse
 
@@ -94,6 +97,9 @@ class Ring:
   is_causal: bool
   layout: Layout
   block_sizes: BlockSizes
+  # a flex_tpu `Plan` (made with offsets=True for one chunk pair): each step runs the
+  # Pallas kernel; None: the blockwise loop with block_sizes
+  kernel: object = None
 
   def pass_on(self, x):
     """Hands x (a pytree) to the next device on the ring: device i -> i + 1."""
@@ -117,6 +123,25 @@ class Ring:
     structure = MaskSpec(is_causal=self.is_causal, q_lengths=q_len, kv_lengths=kv_len,
                          q_segment_ids=q_ids, kv_segment_ids=kv_ids)
     return Modifiers(structure=structure, mods=mods, scale=self.scale)
+
+  def step_forward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset):
+    """(out, lse [B, N, t]) of one chunk pair at its global offsets; no sinks."""
+    if self.kernel is None:
+      return _blockwise.forward(q, k, v, modifiers, self.layout, q_offset, kv_offset,
+                                self.block_sizes)
+    return flex_tpu.step_forward(self.kernel, self.layout, q, k, v, modifiers.mods, q_offset,
+                                 kv_offset)
+
+  def step_backward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset, out, lse, d_out):
+    """One chunk pair's share of (d_q, d_k, d_v, d score_mod arrays), from the final
+    out, lse and d_out."""
+    if self.kernel is None:
+      dq, dk, dv, _, dc = _blockwise.backward_with_score_grads(
+          q, k, v, modifiers, self.layout, q_offset, kv_offset, self.block_sizes, out, lse,
+          d_out)
+      return dq, dk, dv, dc
+    return flex_tpu.step_backward(self.kernel, self.layout, q, k, v, modifiers, q_offset,
+                                  kv_offset, out, lse, d_out)
 
 
 def _rows_like_out(rows: jax.Array, layout: Layout) -> jax.Array:
@@ -165,9 +190,9 @@ def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_l
     for a, (qa, qa_ids) in enumerate(zip(q_chunks, q_ids_chunks)):
       for b, (kb, vb, kb_ids) in enumerate(zip(ring.split(k_blk, "S"), ring.split(v_blk, "S"),
                                                ring.split(kv_ids_blk, "S", axis=1))):
-        out_ab, lse_ab = _blockwise.forward(
-            qa, kb, vb, ring.modifiers(qa_ids, kb_ids, q_len, kv_len, mods), lay,
-            q_offsets[a], kv_off[b], ring.block_sizes)
+        out_ab, lse_ab = ring.step_forward(
+            qa, kb, vb, ring.modifiers(qa_ids, kb_ids, q_len, kv_len, mods), q_offsets[a],
+            kv_off[b])
         outs[a], lses[a] = _combine(outs[a], lses[a], out_ab, lse_ab, lay)
     return tuple(outs), tuple(lses), ring.pass_on(travelling)
 
@@ -204,9 +229,9 @@ def _ring_bwd(ring: Ring, residuals, cotangents):
                         ring.split(kv_ids_blk, "S", axis=1)))
     for a, (qa, qa_ids, out_a, lse_a, d_out_a) in enumerate(q_parts):
       for b, (kb, vb, kb_ids) in enumerate(kv_parts):
-        dq, dk, dv, _, dc = _blockwise.backward_with_score_grads(
-            qa, kb, vb, ring.modifiers(qa_ids, kb_ids, q_len, kv_len, mods), lay,
-            q_offsets[a], kv_off[b], ring.block_sizes, out_a, lse_a, d_out_a)
+        dq, dk, dv, dc = ring.step_backward(
+            qa, kb, vb, ring.modifiers(qa_ids, kb_ids, q_len, kv_len, mods), q_offsets[a],
+            kv_off[b], out_a, lse_a, d_out_a)
         d_qs[a], d_ks[b], d_vs[b] = d_qs[a] + dq, d_ks[b] + dk, d_vs[b] + dv
         d_consts = jax.tree.map(jnp.add, d_consts, dc)
     travelling = (k_blk, v_blk, kv_off, kv_ids_blk, ring.merge(d_ks, "S"), ring.merge(d_vs, "S"))

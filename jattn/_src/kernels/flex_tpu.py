@@ -75,6 +75,9 @@ class Plan:
   # (const index, ...): score_mod's tables read at a tile of indices (a relative bias),
   # in VMEM, gathered along the lanes; their gradients by the blockwise backward
   score_tables: tuple = ()
+  # the queries and keys start at traced global positions (a ring step's ranges),
+  # passed to the kernels as two int32 scalars by scalar prefetch (`step_forward`)
+  offsets: bool = False
 
   @property
   def T_padded(self) -> int:
@@ -92,7 +95,7 @@ def _round_up(x: int, m: int) -> int:
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
          modifiers: Modifiers, return_weights: bool = False,
          block_q: int | None = None, block_kv: int | None = None,
-         interpret: bool = False, skip: bool = True) -> Plan | str:
+         interpret: bool = False, skip: bool = True, offsets: bool = False) -> Plan | str:
   """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
 
   modifiers: the call's `Modifiers` (its arrays may be tracers or
@@ -103,6 +106,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   skip: skip EMPTY tiles and the masks of FULL ones, from the block classes
   (computed in the call: closed forms for causal, windows and jattn.mods masks,
   a given block_mask of these tiles, else mask_mod evaluated block by block).
+  offsets: the call covers T queries and S keys from traced global positions (one
+  ring step); run it with `step_forward` / `step_backward`.
   """
   m = modifiers
   if return_weights:
@@ -175,7 +180,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, has_score, bool(interpret), score_reads, skip,
-              mask_rows, score_tables)
+              mask_rows, score_tables, bool(offsets))
 
 
 def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
@@ -229,10 +234,44 @@ def _backward(plan_, layout, residuals, cotangents):
 _attention.defvjp(_forward, _backward)
 
 
-def _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out):
+def _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out,
+                            q_offset=0, kv_offset=0):
   """Gradients into score_mod's float arrays when it reads a table at positions: by
   jattn's blockwise backward (pure JAX, memory linear in T and S), not in a kernel."""
   q, k, v, o, d_o = (with_batch(x, layout) for x in (query, key, value, out, d_out))
   return blockwise_loop.backward_with_score_grads(
-      q, k, v, modifiers, batched(layout), 0, 0, BlockSizes(plan_.block_q, plan_.block_kv),
-      o, lse, d_o)[4]
+      q, k, v, modifiers, batched(layout), q_offset, kv_offset,
+      BlockSizes(plan_.block_q, plan_.block_kv), o, lse, d_o)[4]
+
+
+# ---------------------------------------------------------------- one ring step
+
+
+def step_forward(plan_: Plan, layout: Layout, query, key, value, mods, q_offset, kv_offset):
+  """One range pair of ring attention, as `blockwise_loop.forward`: -> (out, lse float32
+  [B, N, T]) of T queries from global position q_offset against S keys from kv_offset
+  (int32 scalars, traced: scalar prefetch). No sinks: the ring adds them once, at the end.
+
+  layout has B; mods: the ring's `Mods` (traced here) or None; plan_ made with
+  `offsets=True` for these T, S."""
+  mods = None if mods is None else mods.traced()
+  return forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
+
+
+def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Modifiers,
+                  q_offset, kv_offset, out, lse, d_out):
+  """This range pair's share of the gradients, as `blockwise_loop.backward_with_score_grads`
+  from the final out, lse (sinks included) and d_out: -> (d_query, d_key, d_value float32,
+  score_mod's float arrays' gradients (None for the others))."""
+  mods = None if modifiers.mods is None else modifiers.mods.traced()
+  d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out,
+                                     _offsets(q_offset, kv_offset))
+  if plan_.score_tables:
+    d_consts = _blockwise_consts_grads(plan_, layout, query, key, value,
+                                       modifiers.replace(mods=mods), out, lse, d_out,
+                                       q_offset, kv_offset)
+  return d_q, d_k, d_v, d_consts
+
+
+def _offsets(q_offset, kv_offset):
+  return jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])

@@ -58,9 +58,9 @@ class _TileMods:
     return len(self.mask_meta) + len(self.score_meta)
 
 
-def _tile_mods(mods, p: Plan):
+def _tile_mods(mods, p: Plan, origin=(0, 0)):
   """(the static `_TileMods`, the consts as flat 32-bit arrays for SMEM, mask_mod's
-  per-token arrays as row arrays for VMEM blocks (`_row_arrays`))."""
+  per-token arrays as row arrays for VMEM blocks (`_row_arrays`) from `origin`)."""
   mask_jaxpr = None if mods is None else mods.mask_jaxpr
   score_jaxpr = None if mods is None else mods.score_jaxpr
   mask_consts = () if mask_jaxpr is None else tuple(mods.mask_consts)
@@ -72,7 +72,7 @@ def _tile_mods(mods, p: Plan):
           for i, c in enumerate(mask_consts)]
   smem += [jnp.zeros((1,), jnp.int32) if i in p.score_tables else _to_smem(c)
            for i, c in enumerate(score_consts)]
-  return tm, smem, _row_arrays(p, mask_consts) + _table_arrays(p, score_consts)
+  return tm, smem, _row_arrays(p, mask_consts, origin) + _table_arrays(p, score_consts)
 
 
 def _table_arrays(p: Plan, score_consts):
@@ -101,9 +101,10 @@ def _table_reader(p: Plan, table_refs):
   return read_table
 
 
-def _row_arrays(p: Plan, mask_consts):
+def _row_arrays(p: Plan, mask_consts, origin):
   """Per-token array x [L] or [X, L] read as x[row, t] -> int32/float32 [X, Tp, 128]
   (each entry along the lanes), as x[row, s] -> [X, 8, Sp] (along the sublanes);
+  from the global position of the first query / key (`origin`, (0, 0) or traced);
   positions past L repeat x[.., L - 1], which is dynamic_slice's clamp."""
   arrays = []
   for ci, letter in p.mask_rows:
@@ -111,8 +112,13 @@ def _row_arrays(p: Plan, mask_consts):
     x = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
     x = x.reshape((1,) * (2 - x.ndim) + x.shape)  # [X, L]
     size = p.T_padded if letter == "t" else p.S_padded
-    x = x[:, :size]
-    x = jnp.pad(x, ((0, 0), (0, size - x.shape[1])), mode="edge")
+    if not p.offsets:
+      x = x[:, :size]
+      x = jnp.pad(x, ((0, 0), (0, size - x.shape[1])), mode="edge")
+    else:  # [X, L + size], then the size entries from the (traced) first position
+      x = jnp.pad(x, ((0, 0), (0, size)), mode="edge")
+      x = jax.lax.dynamic_slice_in_dim(x, origin[0] if letter == "t" else origin[1], size,
+                                       axis=1)
     if letter == "t":
       arrays.append(jnp.broadcast_to(x[:, :, None], x.shape + (_LANES,)))
     else:
@@ -163,7 +169,7 @@ def _reader(refs, meta):
 
 
 def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vjp=False,
-                 read_grads=False, full=False, row_refs=()):
+                 read_grads=False, full=False, row_refs=(), origin=(0, 0)):
   """One tile's logits after scale, score_mod and every mask.
 
   -> (s float32 [bq, bk] with LARGE_NEGATIVE where masked, keep bool [bq, bk]
@@ -171,7 +177,9 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
   score_mod; read_grads also: -> (that, (d every float read: scalars), (its flat
   index into its array: int32 scalars)), in the order of `Plan.score_reads`.
   full: a FULL tile, where causal, window and mask_mod hide nothing: only the
-  padding is masked.
+  padding is masked. origin: global position of the first query and key (int32
+  scalars read from SMEM under `Plan.offsets`), added to the tile's positions for the
+  mods, causal and window; the padding is masked at local positions.
   """
   bq, bk = p.block_q, p.block_kv
   tile = (bq, bk)
@@ -179,8 +187,9 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
   # [bq, bk] = q k^T, float32 on the MXU
   s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   s = s * p.scale
-  t_pos = i * bq + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
-  s_pos = j * bk + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
+  t_loc = i * bq + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
+  s_loc = j * bk + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
+  t_pos, s_pos = (t_loc, s_loc) if not p.offsets else (t_loc + origin[0], s_loc + origin[1])
   d_score = lambda ds: ds
   if tm.score_jaxpr is not None:
     def score(x, *eps):
@@ -215,9 +224,9 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
     return c if a is None else a & c
 
   if p.S_padded != p.S:
-    keep = both(keep, s_pos < p.S)
+    keep = both(keep, s_loc < p.S)
   if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
-    keep = both(keep, t_pos < p.T)
+    keep = both(keep, t_loc < p.T)
   if p.is_causal and not full:
     keep = both(keep, s_pos <= t_pos)
   if p.window is not None and not full:
@@ -279,9 +288,11 @@ class _Tables:
     return ((b * self.Nc + n) * self.nk + j) * self.nq + i
 
 
-def _block_tables(p: Plan, mods):
+def _block_tables(p: Plan, mods, origin=(0, 0)):
   """-> (`_Tables`, [classes, kv_fetch, q_fetch] flat int32 for SMEM), or (None, []).
 
+  The classes are those of the tiles at global positions from `origin` (the first
+  query's and key's, (0, 0) or traced).
   classes: EMPTY / PARTIAL / FULL per tile. kv_fetch[b, n, i, j]: the kv tile the
   index map fetches at step j: j itself unless EMPTY, else the last non-empty one
   before it (or the row's first non-empty one), so that Pallas, which copies only
@@ -292,22 +303,24 @@ def _block_tables(p: Plan, mods):
     return None, []
   bq, bk = p.block_q, p.block_kv
   parts = []
+  at = () if not p.offsets else origin  # closed_form_classes / classify: offsets 0 by default
   if p.is_causal:
-    parts.append(closed_form_classes(jattn_mods.Causal(), 1, p.T, p.S, bq, bk))
+    parts.append(closed_form_classes(jattn_mods.Causal(), 1, p.T, p.S, bq, bk, *at))
   if p.window is not None:
-    parts.append(closed_form_classes(jattn_mods.SlidingWindow(*p.window), 1, p.T, p.S, bq, bk))
+    parts.append(closed_form_classes(jattn_mods.SlidingWindow(*p.window), 1, p.T, p.S, bq, bk,
+                                     *at))
   if p.has_mask_mod:
     nq, nk = p.T_padded // bq, p.S_padded // bk
     bm = mods.block_mask
-    if bm is not None and bm.T == p.T and bm.S == p.S and tuple(bm.classes.shape[2:]) == (
-        nq, nk) and (bm.block_sizes.q, bm.block_sizes.kv) == (bq, bk):
+    if not p.offsets and bm is not None and bm.T == p.T and bm.S == p.S and tuple(
+        bm.classes.shape[2:]) == (nq, nk) and (bm.block_sizes.q, bm.block_sizes.kv) == (bq, bk):
       classes = bm.classes
     else:
       classes = None
       if mods.mask_mod is not None:
-        classes = closed_form_classes(mods.mask_mod, p.B, p.T, p.S, bq, bk)
+        classes = closed_form_classes(mods.mask_mod, p.B, p.T, p.S, bq, bk, *at)
       if classes is None:
-        classes = classify(mods, p.B, p.N, p.T, p.S, bq, bk)
+        classes = classify(mods, p.B, p.N, p.T, p.S, bq, bk, *at)
         classes = classes[:None if mods.mask_uses(0) else 1, :None if mods.mask_uses(1) else 1]
     parts.append(classes)
   classes = parts[0].astype(jnp.int32)
@@ -343,12 +356,16 @@ def _gated(tables, table_refs, b, n, i, j, step):
 # ---------------------------------------------------------------- forward kernel
 
 
-def forward(plan_: Plan, layout: Layout, query, key, value, mods):
-  """-> (out in the query's layout with D, lse float32 [B, N, T]); no sinks."""
+def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None):
+  """-> (out in the query's layout with D, lse float32 [B, N, T]); no sinks.
+
+  offsets: int32 [2], the global position of the first query and of the first key
+  (traced, e.g. a ring step's), when the plan was made with `offsets=True`."""
   p = plan_
   q, k, v = _to_tiles(p, layout, query, key, value)
-  tm, smem, row_arrays = _tile_mods(mods, p)
-  tables, table_arrays = _block_tables(p, mods)
+  origin, scalars = _origin(p, offsets)
+  tm, smem, row_arrays = _tile_mods(mods, p, origin)
+  tables, table_arrays = _block_tables(p, mods, origin)
   G = p.N // p.K
   bq, bk = p.block_q, p.block_kv
   Tp, Sp = p.T_padded, p.S_padded
@@ -365,7 +382,8 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods):
   out, lse = pl.pallas_call(
       functools.partial(_forward_kernel, p=p, tm=tm, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.N, Tp // bq, Sp // bk),
+          num_scalar_prefetch=len(table_arrays) + len(smem) + len(scalars),
+          grid=(p.B, p.N, Tp // bq, Sp // bk),
           in_specs=in_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
                           pltpu.VMEM((bq, _LANES), jnp.float32),
@@ -375,7 +393,7 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods):
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_fwd",
-  )(*table_arrays, *smem, q, k, v, *row_arrays)
+  )(*table_arrays, *smem, *scalars, q, k, v, *row_arrays)
   out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T])
   return without_batch(out, layout), lse[:, :, :p.T, 0]
 
@@ -388,14 +406,29 @@ def _kv_index(tables, G):
       b, jax.lax.div(n, G), kv_fetch[tables.at(b, n, i, j)], 0)
 
 
-def _split_refs(refs, tables, tm):
-  """-> (block table refs, mods' SMEM refs, the rest)."""
+def _origin(p: Plan, offsets):
+  """-> (origin: (first query, first key) global positions for the XLA side, the
+  scalar-prefetch arrays that carry them into the kernel: [offsets] or [])."""
+  if not p.offsets:
+    if offsets is not None:
+      raise ValueError("offsets given to a plan made without offsets=True")
+    return (0, 0), []
+  offsets = jnp.asarray(offsets, jnp.int32).reshape(2)
+  return (offsets[0], offsets[1]), [offsets]
+
+
+def _split_refs(refs, tables, tm, p: Plan):
+  """-> (block table refs, mods' SMEM refs, origin (int32 scalars or (0, 0)), the rest)."""
   nt = 0 if tables is None else 3
-  return refs[:nt], refs[nt:nt + tm.count], refs[nt + tm.count:]
+  start = nt + tm.count
+  if not p.offsets:
+    return refs[:nt], refs[nt:start], (0, 0), refs[start:]
+  off = refs[start]
+  return refs[:nt], refs[nt:start], (off[0], off[1]), refs[start + 1:]
 
 
 def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
-  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
+  table_refs, smem_refs, origin, rest = _split_refs(refs, tables, tm, p)
   nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref = rest[:3]
   row_refs = rest[3:3 + nr]
@@ -409,7 +442,8 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
   _gated(tables, table_refs, b, n, i, j, lambda full: _forward_step(
-      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full, row_refs))
+      p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full, row_refs,
+      origin))
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -421,9 +455,9 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
 
 
 def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full,
-                  row_refs):
+                  row_refs, origin):
   s, _, _ = _tile_logits(p, tm, smem_refs, b, n, i, j, q_ref[...], k_ref[...], full=full,
-                         row_refs=row_refs)
+                         row_refs=row_refs, origin=origin)
   m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 128]
   m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bq, 128]
   # A row that has seen no visible key keeps m = LARGE_NEGATIVE: shift it by 0
@@ -442,13 +476,16 @@ def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc,
 # ---------------------------------------------------------------- backward kernels
 
 
-def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_out):
+def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_out,
+             offsets=None):
   """Gradients into query, key, value (their layouts and dtypes) from the final out and
   lse [B, N, T] (sinks included): the weights are recomputed tile by tile.
 
   Two kernels: dq on the grid (B, N, T / bq, S / bk), keys sequential; dk and dv on
   (B, K, S / bk, G T / bq), the G query heads of kv head k and their query tiles
   sequential, so that dk and dv are summed over the group in VMEM, never by atomics.
+  offsets: as `forward` (a ring step's range: out, lse and d_out are then the final
+  ones, and the gradients this range's share).
   """
   p = plan_
   q, k, v = _to_tiles(p, layout, query, key, value)
@@ -460,8 +497,9 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   do = _pad_rows(do.astype(query.dtype), p.T_padded)
   rows = lambda x: _pad_rows(jnp.broadcast_to(x[..., None], x.shape + (_LANES,)), p.T_padded)
   lse_l, delta_l = rows(lse.astype(jnp.float32)), rows(delta)  # [B, N, Tp, 128]
-  tm, smem, row_arrays = _tile_mods(mods, p)
-  tables, table_arrays = _block_tables(p, mods)
+  origin, scalars = _origin(p, offsets)
+  tm, smem, row_arrays = _tile_mods(mods, p, origin)
+  tables, table_arrays = _block_tables(p, mods, origin)
   G = p.N // p.K
   bq, bk = p.block_q, p.block_kv
   Tp, Sp = p.T_padded, p.S_padded
@@ -478,7 +516,8 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   dq, *read_parts = pl.pallas_call(
       functools.partial(_dq_kernel, p=p, tm=tm, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.N, nq, nk),
+          num_scalar_prefetch=len(table_arrays) + len(smem) + len(scalars),
+          grid=(p.B, p.N, nq, nk),
           in_specs=[pl.BlockSpec((None, None, bq, p.H), row),
                     pl.BlockSpec((None, None, bk, p.H), kv),
                     pl.BlockSpec((None, None, bk, p.D), kv),
@@ -492,7 +531,7 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_dq",
-  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l, *row_arrays)
+  )(*table_arrays, *smem, *scalars, q, k, v, do, lse_l, delta_l, *row_arrays)
 
   # grid (b, kv head c, kv tile j, r = g nq + i): query head n = c G + g, query tile i
   if tables is None:
@@ -505,7 +544,8 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, p=p, tm=tm, nq=nq, G=G, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(table_arrays) + len(smem), grid=(p.B, p.K, nk, G * nq),
+          num_scalar_prefetch=len(table_arrays) + len(smem) + len(scalars),
+          grid=(p.B, p.K, nk, G * nq),
           in_specs=[pl.BlockSpec((None, None, bq, p.H), qrow),
                     pl.BlockSpec((None, None, bk, p.H), kvrow),
                     pl.BlockSpec((None, None, bk, p.D), kvrow),
@@ -523,7 +563,7 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_dkv",
-  )(*table_arrays, *smem, q, k, v, do, lse_l, delta_l, *row_arrays)
+  )(*table_arrays, *smem, *scalars, q, k, v, do, lse_l, delta_l, *row_arrays)
   dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T])
   dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S])
   dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S])
@@ -555,11 +595,12 @@ def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple
 
 
 def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grads=False,
-                full=False, row_refs=()):
+                full=False, row_refs=(), origin=(0, 0)):
   """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32); read_grads: also the
   gradients of the float reads of score_mod's arrays and their flat indices."""
   s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
-                                  read_grads=read_grads, full=full, row_refs=row_refs)
+                                  read_grads=read_grads, full=full, row_refs=row_refs,
+                                  origin=origin)
   probs = jnp.exp(s - _lanes(lse, p.block_kv))
   if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
     probs = jnp.where(keep, probs, 0.0)
@@ -573,7 +614,7 @@ def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grad
 
 
 def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
-  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
+  table_refs, smem_refs, origin, rest = _split_refs(refs, tables, tm, p)
   reads = bool(p.score_reads)
   nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
@@ -594,7 +635,7 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
     fr_ref[...] = jnp.full(fr_ref.shape, -1, jnp.int32)
   _gated(tables, table_refs, b, n, i, j, lambda full: _dq_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_sc,
-      dr_ref, fr_ref, full, row_refs))
+      dr_ref, fr_ref, full, row_refs, origin))
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -602,12 +643,12 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
 
 
 def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-             dq_sc, dr_ref, fr_ref, full, row_refs):
+             dq_sc, dr_ref, fr_ref, full, row_refs, origin):
   reads = dr_ref is not None
   k = k_ref[...]
   got = _tile_grads(p, tm, smem_refs, b, n, i, j, q_ref[...], k, v_ref[...], do_ref[...],
                     lse_ref[...], delta_ref[...], read_grads=reads, full=full,
-                    row_refs=row_refs)
+                    row_refs=row_refs, origin=origin)
   ds = got[1]
   if reads:
     lane = jax.lax.broadcasted_iota(jnp.int32, (8, _LANES), 1)
@@ -624,7 +665,7 @@ def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref,
 
 
 def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
-  table_refs, smem_refs, rest = _split_refs(refs, tables, tm)
+  table_refs, smem_refs, origin, rest = _split_refs(refs, tables, tm, p)
   nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
   row_refs = rest[6:6 + nr]
@@ -639,7 +680,7 @@ def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
 
   _gated(tables, table_refs, b, n, i, j, lambda full: _dkv_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_sc,
-      dv_sc, full, row_refs))
+      dv_sc, full, row_refs, origin))
 
   @pl.when(r == pl.num_programs(3) - 1)
   def _finish():
@@ -648,10 +689,11 @@ def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
 
 
 def _dkv_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-              dk_sc, dv_sc, full, row_refs):
+              dk_sc, dv_sc, full, row_refs, origin):
   q, do = q_ref[...], do_ref[...]
   probs, ds = _tile_grads(p, tm, smem_refs, b, n, i, j, q, k_ref[...], v_ref[...], do,
-                          lse_ref[...], delta_ref[...], full=full, row_refs=row_refs)
+                          lse_ref[...], delta_ref[...], full=full, row_refs=row_refs,
+                          origin=origin)
   # dV [bk, D] += P^T dO ; dK [bk, H] += dS^T q
   dv_sc[...] += jax.lax.dot_general(probs.astype(do.dtype), do, (((0,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32)
