@@ -89,6 +89,8 @@ class Plan:
   score_grads_by_blockwise: bool = False
   num_warps: int = 4
   num_stages: int = 2
+  # positions are global from traced offsets (a ring step's): not wired on GPU yet
+  offsets: bool = False
 
   @property
   def T_padded(self) -> int:

@@ -187,10 +187,7 @@ def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
   """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
   if modifiers.mods is not None:
     modifiers = modifiers.replace(mods=modifiers.mods.traced())
-    # the const indices of this trace (see tile_mods.const_indices)
-    reads, rows, tables = tile_mods.const_indices(modifiers.mods)
-    plan_ = dataclasses.replace(plan_, score_reads=() if tables else reads, mask_rows=rows,
-                                score_tables=tables)
+    plan_ = _for_trace(plan_, modifiers.mods)
   out, lse = _attention(plan_, layout, query, key, value, modifiers)
   if not layout.has_batch:
     lse = lse[0]
@@ -255,6 +252,7 @@ def step_forward(plan_: Plan, layout: Layout, query, key, value, mods, q_offset,
   layout has B; mods: the ring's `Mods` (traced here) or None; plan_ made with
   `offsets=True` for these T, S."""
   mods = None if mods is None else mods.traced()
+  plan_ = _for_trace(plan_, mods)
   return forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
 
 
@@ -264,6 +262,7 @@ def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Mod
   from the final out, lse (sinks included) and d_out: -> (d_query, d_key, d_value float32,
   score_mod's float arrays' gradients (None for the others))."""
   mods = None if modifiers.mods is None else modifiers.mods.traced()
+  plan_ = _for_trace(plan_, mods)
   d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out,
                                      _offsets(q_offset, kv_offset))
   if plan_.score_tables:
@@ -271,6 +270,16 @@ def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Mod
                                        modifiers.replace(mods=mods), out, lse, d_out,
                                        q_offset, kv_offset)
   return d_q, d_k, d_v, d_consts
+
+
+def _for_trace(plan_: Plan, mods) -> Plan:
+  """The plan with the const indices of the trace of the mods that runs (a plan made
+  from another trace may number the captured arrays otherwise: tile_mods.const_indices)."""
+  if mods is None:
+    return plan_
+  reads, rows, tables = tile_mods.const_indices(mods)
+  return dataclasses.replace(plan_, score_reads=() if tables else reads, mask_rows=rows,
+                             score_tables=tables)
 
 
 def _offsets(q_offset, kv_offset):
