@@ -41,10 +41,8 @@ import numpy as np
 
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
-from jattn._src.impl import blockwise_loop
-from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.kernels import flex_gpu_kernels as kernels
-from jattn._src.kernels import tile_mods
+from jattn._src.kernels import kernel_plan
 from jattn._src.kernels.flex_tpu_kernels import batched, with_batch, without_batch
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
@@ -84,9 +82,9 @@ class Plan:
   # const index of each read of a float array captured by score_mod, in the order the
   # tile evaluation reads them: the dq kernel returns one gradient per read
   score_reads: tuple = ()
-  # score_mod reads a table at positions (a relative bias): the gradients of its
-  # captured arrays by the blockwise backward
-  score_grads_by_blockwise: bool = False
+  # (const index, ...): score_mod's tables read at positions (a relative bias), by a
+  # gather load; the gradients of its captured arrays by the blockwise backward
+  score_tables: tuple = ()
   num_warps: int = 4
   num_stages: int = 2
   # positions are global from traced offsets (a ring step's): not wired on GPU yet
@@ -140,64 +138,31 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   interpret: run the Pallas kernels in interpret mode (any backend, for tests).
   """
   m = modifiers
-  if return_weights:
-    return "return_weights: the kernel forms no [T, S] weights"
-  if np.dtype(dtype) not in _DTYPES:
-    return f"dtype {np.dtype(dtype)}: the kernel takes float32, bfloat16 and float16"
-  if N % K:
-    return f"N = {N} is not a multiple of K = {K}"
-  if not (1 <= H <= 256 and 1 <= D <= 256):
-    return f"head sizes H = {H}, D = {D}: the kernel takes 1 to 256"
-  if min(B, T, S, N) < 1:
-    return "an empty axis (B, T, S or N is 0)"
-  if m.bias is not None:
-    return "a dense bias [.., T, S]: not read by the kernel (score_mod is)"
-  if m.mask is not None:
-    return "a dense mask [.., T, S]: not read by the kernel (mask_mod is)"
-  if m.dropout is not None:
-    return "dropout: not in the kernel (no GPU PRNG path written)"
-  if not isinstance(m.scale, (int, float)):
-    return "a traced scale: the kernel takes a Python number"
+  reason = kernel_plan.common_refusal(B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype,
+                                      dtypes=_DTYPES, modifiers=m,
+                                      return_weights=return_weights, platform="GPU")
+  if reason:
+    return reason
   st = m.structure
   if (st.q_segment_ids is None) != (st.kv_segment_ids is None):
     return "segment ids for one side only"
-  mods = m.mods
-  has_mask = has_score = by_blockwise = False
-  mask_rows = score_reads = ()
-  if mods is not None:
-    if mods.block_mask is not None and not mods.has_mask:
-      return "a block_mask without its mask_mod"
-    mods = mods.traced()
-    for kind, jaxpr, consts in (("mask_mod", mods.mask_jaxpr, mods.mask_consts),
-                                ("score_mod", mods.score_jaxpr, mods.score_consts)):
-      if jaxpr is None:
-        continue
-      got = tile_mods.check(jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
-      if isinstance(got, str):
-        return f"{kind}: {got}"
-      reads, rows, tables = got
-      if kind == "score_mod":
-        by_blockwise = bool(tables)
-        score_reads = () if tables else reads
-      else:
-        mask_rows = rows
-    has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
+  facts = kernel_plan.mods_facts(m.mods, smem=False)
+  if isinstance(facts, str):
+    return facts
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
   return Plan(B, T, S, N, K, H, D, _tile(T, block_q), _tile(S, block_kv), float(m.scale),
-              bool(st.is_causal), window, has_mask, has_score, bool(interpret),
-              skip=has_mask or bool(st.is_causal) or window is not None,
+              bool(st.is_causal), window, facts.has_mask, facts.has_score, bool(interpret),
+              skip=facts.has_mask or bool(st.is_causal) or window is not None,
               q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
-              segments=st.q_segment_ids is not None, mask_rows=mask_rows,
-              score_reads=score_reads, score_grads_by_blockwise=by_blockwise)
+              segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
+              score_reads=facts.score_reads, score_tables=facts.score_tables)
 
 
 def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
   """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
   if modifiers.mods is not None:
     modifiers = modifiers.replace(mods=modifiers.mods.traced())
-    # the const indices of this trace (see tile_mods.const_indices)
-    reads, rows, tables = tile_mods.const_indices(modifiers.mods)
-    plan_ = dataclasses.replace(plan_, mask_rows=rows, score_reads=() if tables else reads)
+    plan_ = kernel_plan.for_trace(plan_, modifiers.mods)
   out, lse = _attention(plan_, layout, query, key, value, modifiers)
   if not layout.has_batch:
     lse = lse[0]
@@ -234,21 +199,12 @@ def _backward(plan_, layout, residuals, cotangents):
     o, d_o = with_batch(out, layout), with_batch(d_out, layout)
     d_sinks = None if mods.sinks is None else sinks_grad(
         o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
-    if plan_.score_grads_by_blockwise:
-      d_consts = _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out,
-                                         lse, d_out)
+    if plan_.score_tables:
+      d_consts = kernel_plan.blockwise_score_grads(plan_, layout, query, key, value,
+                                                   modifiers, out, lse, d_out)
     d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
   return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
           modifiers.gradients(bias=None, mods=d_mods))
 
 
 _attention.defvjp(_forward, _backward)
-
-
-def _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out):
-  """Gradients into score_mod's float arrays, by jattn's blockwise backward (pure JAX,
-  memory linear in T and S), not in a kernel."""
-  q, k, v, o, d_o = (with_batch(x, layout) for x in (query, key, value, out, d_out))
-  return blockwise_loop.backward_with_score_grads(
-      q, k, v, modifiers, batched(layout), 0, 0, BlockSizes(plan_.block_q, plan_.block_kv),
-      o, lse, d_o)[4]

@@ -33,9 +33,7 @@ import numpy as np
 
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
-from jattn._src.impl import blockwise_loop
-from jattn._src.impl.block_sizes import BlockSizes
-from jattn._src.kernels import tile_mods
+from jattn._src.kernels import kernel_plan
 from jattn._src.kernels.flex_tpu_kernels import (LANES as _LANES, backward, batched, forward,
                                                  with_batch)
 from jattn._src.masks.programmable import add_sinks, sinks_grad
@@ -110,62 +108,27 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   ring step); run it with `step_forward` / `step_backward`.
   """
   m = modifiers
-  if return_weights:
-    return "return_weights: the kernel forms no [T, S] weights"
-  if np.dtype(dtype) not in _DTYPES:
-    return f"dtype {np.dtype(dtype)}: the kernel takes float32 and bfloat16"
-  if N % K:
-    return f"N = {N} is not a multiple of K = {K}"
-  if not (1 <= H <= 256 and 1 <= D <= 256):
-    return f"head sizes H = {H}, D = {D}: the kernel takes 1 to 256"
-  if min(B, T, S, N) < 1:
-    return "an empty axis (B, T, S or N is 0)"
-  if m.bias is not None:
-    return "a dense bias [.., T, S]: not read by the kernel (score_mod is)"
-  if m.mask is not None:
-    return "a dense mask [.., T, S]: not read by the kernel (mask_mod is)"
+  reason = kernel_plan.common_refusal(B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype,
+                                      dtypes=_DTYPES, modifiers=m,
+                                      return_weights=return_weights, platform="TPU")
+  if reason:
+    return reason
   st = m.structure
   if st.q_lengths is not None or st.kv_lengths is not None:
     return "sequence lengths: not in the kernel yet"
   if st.q_segment_ids is not None or st.kv_segment_ids is not None:
     return "segment ids: not in the kernel yet"
-  if m.dropout is not None:
-    return "dropout: not in the kernel (no TPU PRNG path written yet)"
-  if not isinstance(m.scale, (int, float)):
-    return "a traced scale: the kernel takes a Python number"
-  mods = m.mods
-  has_mask = has_score = False
-  score_reads = mask_rows = score_tables = ()
-  if mods is not None:
-    if mods.block_mask is not None and not mods.has_mask:
-      return "a block_mask without its mask_mod"
-    mods = mods.traced()
-    for kind, jaxpr, consts in (("mask_mod", mods.mask_jaxpr, mods.mask_consts),
-                                ("score_mod", mods.score_jaxpr, mods.score_consts)):
-      if jaxpr is None:
-        continue
-      got = tile_mods.check(jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
-      if isinstance(got, str):
-        return f"{kind}: {got}"
-      reads, rows, tables = got
-      reason = tile_mods.check_consts(consts, skip={ci for ci, _ in rows} | set(tables))
-      if reason:
-        return f"{kind}: {reason}"
-      if kind == "score_mod":
-        score_reads, score_tables = reads, tables
-        table_width = max([np.shape(consts[ci])[-1] for ci in tables], default=0)
-        if tables:  # the tables' gradients (and so all of score_mod's) by blockwise
-          score_reads = ()
-      else:
-        mask_rows = rows
-    has_mask, has_score = mods.mask_jaxpr is not None, mods.score_jaxpr is not None
+  facts = kernel_plan.mods_facts(m.mods, smem=True)
+  if isinstance(facts, str):
+    return facts
+  has_mask, score_reads, score_tables = facts.has_mask, facts.score_reads, facts.score_tables
   if len(score_reads) > _LANES:
     return (f"score_mod reads captured float arrays {len(score_reads)} times per entry "
             f"(the backward returns at most {_LANES} read gradients per tile)")
   block_q = min(block_q or 128, _round_up(T, 8))
   block_kv = min(block_kv or 512, _round_up(S, _LANES))
-  if score_tables and table_width > block_kv:
-    return (f"score_mod: a table of width {table_width} read at positions; the kernel "
+  if score_tables and facts.table_width > block_kv:
+    return (f"score_mod: a table of width {facts.table_width} read at positions; the kernel "
             f"gathers from at most block_kv = {block_kv} entries")
   if block_q % 8 or block_kv % _LANES:
     return (f"tiles block_q = {block_q}, block_kv = {block_kv}: block_q must be a "
@@ -173,21 +136,19 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
   skip = bool(skip) and (has_mask or bool(st.is_causal) or window is not None)
   if skip:  # three int32 tables [B|1, N|1, nq, nk] in SMEM: without room, no skipping
-    per_b = has_mask and mods.mask_uses(0)
-    per_n = has_mask and mods.mask_uses(1)
-    entries = 3 * (B if per_b else 1) * (N if per_n else 1) * (
+    entries = 3 * (B if facts.mask_uses_b else 1) * (N if facts.mask_uses_n else 1) * (
         _round_up(T, block_q) // block_q) * (_round_up(S, block_kv) // block_kv)
     skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
-              window, has_mask, has_score, bool(interpret), score_reads, skip,
-              mask_rows, score_tables, bool(offsets))
+              window, has_mask, facts.has_score, bool(interpret), score_reads, skip,
+              facts.mask_rows, score_tables, bool(offsets))
 
 
 def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
   """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
   if modifiers.mods is not None:
     modifiers = modifiers.replace(mods=modifiers.mods.traced())
-    plan_ = _for_trace(plan_, modifiers.mods)
+    plan_ = kernel_plan.for_trace(plan_, modifiers.mods)
   out, lse = _attention(plan_, layout, query, key, value, modifiers)
   if not layout.has_batch:
     lse = lse[0]
@@ -221,24 +182,14 @@ def _backward(plan_, layout, residuals, cotangents):
     d_sinks = None if mods.sinks is None else sinks_grad(
         o, lse, d_o, mods.sinks, blayout.out).astype(mods.sinks.dtype)
     if plan_.score_tables:
-      d_consts = _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse,
-                                         d_out)
+      d_consts = kernel_plan.blockwise_score_grads(plan_, layout, query, key, value,
+                                                   modifiers, out, lse, d_out)
     d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
   return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
           modifiers.gradients(bias=None, mods=d_mods))
 
 
 _attention.defvjp(_forward, _backward)
-
-
-def _blockwise_consts_grads(plan_, layout, query, key, value, modifiers, out, lse, d_out,
-                            q_offset=0, kv_offset=0):
-  """Gradients into score_mod's float arrays when it reads a table at positions: by
-  jattn's blockwise backward (pure JAX, memory linear in T and S), not in a kernel."""
-  q, k, v, o, d_o = (with_batch(x, layout) for x in (query, key, value, out, d_out))
-  return blockwise_loop.backward_with_score_grads(
-      q, k, v, modifiers, batched(layout), q_offset, kv_offset,
-      BlockSizes(plan_.block_q, plan_.block_kv), o, lse, d_o)[4]
 
 
 # ---------------------------------------------------------------- one ring step
@@ -252,7 +203,7 @@ def step_forward(plan_: Plan, layout: Layout, query, key, value, mods, q_offset,
   layout has B; mods: the ring's `Mods` (traced here) or None; plan_ made with
   `offsets=True` for these T, S."""
   mods = None if mods is None else mods.traced()
-  plan_ = _for_trace(plan_, mods)
+  plan_ = kernel_plan.for_trace(plan_, mods)
   return forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
 
 
@@ -262,24 +213,14 @@ def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Mod
   from the final out, lse (sinks included) and d_out: -> (d_query, d_key, d_value float32,
   score_mod's float arrays' gradients (None for the others))."""
   mods = None if modifiers.mods is None else modifiers.mods.traced()
-  plan_ = _for_trace(plan_, mods)
+  plan_ = kernel_plan.for_trace(plan_, mods)
   d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out,
                                      _offsets(q_offset, kv_offset))
   if plan_.score_tables:
-    d_consts = _blockwise_consts_grads(plan_, layout, query, key, value,
-                                       modifiers.replace(mods=mods), out, lse, d_out,
-                                       q_offset, kv_offset)
+    d_consts = kernel_plan.blockwise_score_grads(plan_, layout, query, key, value,
+                                                 modifiers.replace(mods=mods), out, lse, d_out,
+                                                 q_offset, kv_offset)
   return d_q, d_k, d_v, d_consts
-
-
-def _for_trace(plan_: Plan, mods) -> Plan:
-  """The plan with the const indices of the trace of the mods that runs (a plan made
-  from another trace may number the captured arrays otherwise: tile_mods.const_indices)."""
-  if mods is None:
-    return plan_
-  reads, rows, tables = tile_mods.const_indices(mods)
-  return dataclasses.replace(plan_, score_reads=() if tables else reads, mask_rows=rows,
-                             score_tables=tables)
 
 
 def _offsets(q_offset, kv_offset):
