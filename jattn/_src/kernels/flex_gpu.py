@@ -33,18 +33,15 @@ The kernels are in `flex_gpu_kernels`; docs/gpu_kernel.md has the design.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.kernels import flex_gpu_kernels as kernels
-from jattn._src.kernels import kernel_plan
-from jattn._src.kernels.flex_tpu_kernels import batched, with_batch, without_batch
-from jattn._src.masks.programmable import add_sinks, sinks_grad
+from jattn._src.kernels import kernel_plan, kernel_vjp
+from jattn._src.kernels.kernel_vjp import batched, without_batch
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # Tiles and launch parameters. NOT MEASURED on a GPU (none was available): 64 x 64
@@ -158,53 +155,13 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
               score_reads=facts.score_reads, score_tables=facts.score_tables)
 
 
-def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
-  """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
-  if modifiers.mods is not None:
-    modifiers = modifiers.replace(mods=modifiers.mods.traced())
-    plan_ = kernel_plan.for_trace(plan_, modifiers.mods)
-  out, lse = _attention(plan_, layout, query, key, value, modifiers)
-  if not layout.has_batch:
-    lse = lse[0]
-  return out, None, lse
-
-
-# ---------------------------------------------------------------- custom VJP
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(plan_, layout, query, key, value, modifiers):
-  return _forward(plan_, layout, query, key, value, modifiers)[0]
-
-
-def _forward(plan_, layout, query, key, value, modifiers):
-  p = plan_
+def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
+  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T])."""
   out, lse = kernels.forward(p, layout, query, key, value, modifiers)
   out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
-  out, lse = without_batch(out, layout), lse[:, :, :p.T]
-  mods = modifiers.mods
-  if mods is not None and mods.sinks is not None:
-    out, lse = add_sinks(out, lse, mods.sinks, batched(layout).out)
-  return (out, lse), (query, key, value, modifiers, out, lse)
+  return without_batch(out, layout), lse[:, :, :p.T]
 
 
-def _backward(plan_, layout, residuals, cotangents):
-  d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
-  query, key, value, modifiers, out, lse = residuals
-  mods = modifiers.mods
-  d_q, d_k, d_v, d_consts = kernels.backward(plan_, layout, query, key, value, modifiers,
-                                             out, lse, d_out)
-  d_mods = None
-  if mods is not None:
-    o, d_o = with_batch(out, layout), with_batch(d_out, layout)
-    d_sinks = None if mods.sinks is None else sinks_grad(
-        o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
-    if plan_.score_tables:
-      d_consts = kernel_plan.blockwise_score_grads(plan_, layout, query, key, value,
-                                                   modifiers, out, lse, d_out)
-    d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
-  return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
-          modifiers.gradients(bias=None, mods=d_mods))
-
-
-_attention.defvjp(_forward, _backward)
+# -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
+# jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
+run = kernel_vjp.kernel_run(_forward, kernels.backward)

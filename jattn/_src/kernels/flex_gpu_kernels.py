@@ -25,7 +25,8 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
-from jattn._src.kernels.flex_tpu_kernels import _block_tables, batched, with_batch
+from jattn._src.kernels.flex_tpu_kernels import _block_tables
+from jattn._src.kernels.kernel_vjp import batched, with_batch
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL
 
 if TYPE_CHECKING:

@@ -25,18 +25,14 @@ program, the gradient of each SMEM read and the read's index, and XLA sums them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
-from jattn._src.kernels import kernel_plan
-from jattn._src.kernels.flex_tpu_kernels import (LANES as _LANES, backward, batched, forward,
-                                                 with_batch)
-from jattn._src.masks.programmable import add_sinks, sinks_grad
+from jattn._src.kernels import kernel_plan, kernel_vjp
+from jattn._src.kernels.flex_tpu_kernels import LANES as _LANES, backward, forward
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 # The block tables' SMEM budget (int32 entries, 256 KiB): past it the kernel runs
@@ -144,52 +140,12 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
               facts.mask_rows, score_tables, bool(offsets))
 
 
-def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
-  """-> (out, None, lse float32 [B, N, T]), as `blockwise_attention`."""
-  if modifiers.mods is not None:
-    modifiers = modifiers.replace(mods=modifiers.mods.traced())
-    plan_ = kernel_plan.for_trace(plan_, modifiers.mods)
-  out, lse = _attention(plan_, layout, query, key, value, modifiers)
-  if not layout.has_batch:
-    lse = lse[0]
-  return out, None, lse
-
-
-# ---------------------------------------------------------------- custom VJP
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(plan_, layout, query, key, value, modifiers):
-  return _forward(plan_, layout, query, key, value, modifiers)[0]
-
-
-def _forward(plan_, layout, query, key, value, modifiers):
-  out, lse = forward(plan_, layout, query, key, value, modifiers.mods)
-  if modifiers.sinks is not None:
-    out, lse = add_sinks(out, lse, modifiers.sinks, batched(layout).out)
-  return (out, lse), (query, key, value, modifiers, out, lse)
-
-
-def _backward(plan_, layout, residuals, cotangents):
-  d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
-  query, key, value, modifiers, out, lse = residuals
-  mods = modifiers.mods
-  d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out)
-  d_mods = None
-  if mods is not None:
-    o, d_o = with_batch(out, layout), with_batch(d_out, layout)
-    blayout = batched(layout)
-    d_sinks = None if mods.sinks is None else sinks_grad(
-        o, lse, d_o, mods.sinks, blayout.out).astype(mods.sinks.dtype)
-    if plan_.score_tables:
-      d_consts = kernel_plan.blockwise_score_grads(plan_, layout, query, key, value,
-                                                   modifiers, out, lse, d_out)
-    d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
-  return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
-          modifiers.gradients(bias=None, mods=d_mods))
-
-
-_attention.defvjp(_forward, _backward)
+# -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
+# jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
+run = kernel_vjp.kernel_run(
+    lambda plan_, layout, q, k, v, modifiers: forward(plan_, layout, q, k, v, modifiers.mods),
+    lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: backward(
+        plan_, layout, q, k, v, modifiers.mods, out, lse, d_out))
 
 
 # ---------------------------------------------------------------- one ring step
@@ -217,7 +173,7 @@ def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Mod
   d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out,
                                      _offsets(q_offset, kv_offset))
   if plan_.score_tables:
-    d_consts = kernel_plan.blockwise_score_grads(plan_, layout, query, key, value,
+    d_consts = kernel_vjp.blockwise_score_grads(plan_, layout, query, key, value,
                                                  modifiers.replace(mods=mods), out, lse, d_out,
                                                  q_offset, kv_offset)
   return d_q, d_k, d_v, d_consts

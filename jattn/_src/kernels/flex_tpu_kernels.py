@@ -20,6 +20,7 @@ from jattn import mods as jattn_mods
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
+from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 from jattn._src.masks.block_mask import classify
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL, closed_form_classes
 
@@ -28,18 +29,6 @@ if TYPE_CHECKING:
 
 LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this wide
 _LANES = LANES
-
-def batched(layout: Layout) -> Layout:
-  return layout if layout.has_batch else Layout("B" + layout.query)
-
-
-def with_batch(x, layout):
-  return x if layout.has_batch else x[None]
-
-
-def without_batch(x, layout):
-  return x if layout.has_batch else x[0]
-
 
 # ---------------------------------------------------------------- shared pieces
 

@@ -1,7 +1,6 @@
-"""What jattn's own kernels ("flex_tpu", "flex_gpu") decide alike: the refusals every
-tile kernel shares, what the mods need from a kernel (which captured arrays are read
-where, from one evaluation of the mods on an abstract tile), and the gradients of
-score_mod's tables read at positions, which neither kernel computes itself.
+"""What jattn's own kernels ("flex_tpu", "flex_gpu") decide alike before any work: the
+refusals every tile kernel shares, and what the mods need from a kernel (which captured
+arrays are read where), from one evaluation of the mods on an abstract tile.
 
 Each kernel's `plan` adds its own hardware's reasons (SMEM, tile multiples, ...).
 """
@@ -12,10 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
-from jattn._src.impl import blockwise_loop
-from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.kernels import tile_mods
 
 
@@ -114,15 +110,3 @@ def for_trace(plan, mods):
   fields = {f.name for f in dataclasses.fields(plan)}
   return dataclasses.replace(plan, **{k: v for k, v in changes.items() if k in fields})
 
-
-def blockwise_score_grads(plan, layout: Layout, query, key, value, modifiers, out, lse, d_out,
-                          q_offset=0, kv_offset=0) -> tuple:
-  """Gradients into score_mod's float arrays when it reads a table at positions (a
-  relative bias): by jattn's blockwise backward (pure JAX, memory linear in T and S),
-  not in a kernel. Arrays in `layout` (with or without B); lse float32 [B, N, T]."""
-  lay = layout if layout.has_batch else Layout("B" + layout.query)
-  q, k, v, o, d_o = (x if layout.has_batch else x[None]
-                     for x in (query, key, value, out, d_out))
-  return blockwise_loop.backward_with_score_grads(
-      q, k, v, modifiers, lay, q_offset, kv_offset,
-      BlockSizes(plan.block_q, plan.block_kv), o, lse, d_o)[4]

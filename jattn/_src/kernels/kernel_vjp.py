@@ -1,0 +1,91 @@
+"""The custom VJP that jattn's own kernels ("flex_tpu", "flex_gpu") run under: the
+kernel's forward gives (out, lse), sinks join after it (as in "blockwise"), the
+kernel's backward gives dq, dk, dv and the gradients of score_mod's scalar reads, and
+the gradients of score_mod's tables read at positions come from the blockwise backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jattn._src.core.layout import Layout
+from jattn._src.impl import blockwise_loop
+from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.kernels import kernel_plan
+from jattn._src.masks.programmable import add_sinks, sinks_grad
+
+
+def batched(layout: Layout) -> Layout:
+  return layout if layout.has_batch else Layout("B" + layout.query)
+
+
+def with_batch(x, layout):
+  return x if layout.has_batch else x[None]
+
+
+def without_batch(x, layout):
+  return x if layout.has_batch else x[0]
+
+
+def kernel_run(forward, backward):
+  """run(plan, query, key, value, modifiers, layout) -> (out, None, lse float32 [B, N, T])
+  of a tile kernel, with the contract of `blockwise_attention` (gradients into query,
+  key, value, sinks and score_mod's float arrays).
+
+  forward(plan, layout, query, key, value, modifiers) -> (out in `layout`, lse [B, N, T]);
+  backward(plan, layout, query, key, value, modifiers, out, lse, d_out) -> (dq, dk, dv,
+  score_mod's consts' gradients: a tuple, None where the kernel gives none);
+  modifiers' mods traced, the plan numbered for that trace (`kernel_plan.for_trace`).
+  """
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+  def attention(plan, layout, query, key, value, modifiers):
+    return attention_fwd(plan, layout, query, key, value, modifiers)[0]
+
+  def attention_fwd(plan, layout, query, key, value, modifiers):
+    out, lse = forward(plan, layout, query, key, value, modifiers)
+    if modifiers.sinks is not None:
+      out, lse = add_sinks(out, lse, modifiers.sinks, batched(layout).out)
+    return (out, lse), (query, key, value, modifiers, out, lse)
+
+  def attention_bwd(plan, layout, residuals, cotangents):
+    d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
+    query, key, value, modifiers, out, lse = residuals
+    mods = modifiers.mods
+    d_q, d_k, d_v, d_consts = backward(plan, layout, query, key, value, modifiers, out, lse,
+                                       d_out)
+    d_mods = None
+    if mods is not None:
+      o, d_o = with_batch(out, layout), with_batch(d_out, layout)
+      d_sinks = None if mods.sinks is None else sinks_grad(
+          o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
+      if plan.score_tables:
+        d_consts = blockwise_score_grads(plan, layout, query, key, value, modifiers, out, lse,
+                                         d_out)
+      d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
+    return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
+            modifiers.gradients(bias=None, mods=d_mods))
+
+  attention.defvjp(attention_fwd, attention_bwd)
+
+  def run(plan, query, key, value, modifiers, layout: Layout):
+    if modifiers.mods is not None:
+      modifiers = modifiers.replace(mods=modifiers.mods.traced())
+      plan = kernel_plan.for_trace(plan, modifiers.mods)
+    out, lse = attention(plan, layout, query, key, value, modifiers)
+    return out, None, without_batch(lse, layout)
+
+  return run
+
+
+def blockwise_score_grads(plan, layout: Layout, query, key, value, modifiers, out, lse, d_out,
+                          q_offset=0, kv_offset=0) -> tuple:
+  """Gradients into score_mod's float arrays when it reads a table at positions (a
+  relative bias): by jattn's blockwise backward (pure JAX, memory linear in T and S),
+  not in a kernel. Arrays in `layout` (with or without B); lse float32 [B, N, T]."""
+  q, k, v, o, d_o = (with_batch(x, layout) for x in (query, key, value, out, d_out))
+  return blockwise_loop.backward_with_score_grads(
+      q, k, v, modifiers, batched(layout), q_offset, kv_offset,
+      BlockSizes(plan.block_q, plan.block_kv), o, lse, d_o)[4]
