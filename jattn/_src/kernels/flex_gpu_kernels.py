@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
-from jattn._src.kernels.flex_tpu_kernels import _block_tables
+from jattn._src.kernels.tile_classes import tile_classes
 from jattn._src.kernels.kernel_vjp import batched, with_batch
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL
 
@@ -82,8 +82,7 @@ def _extras(p: Plan, modifiers, mods):
              tile_mods.consts_meta(score_consts))
   arrays = []
   if p.skip:
-    tables, flat = _block_tables(p, mods)  # [Bc, Nc, nq, nk]: Bc, Nc 1 or B, N
-    classes = flat[0].reshape(tables.Bc, tables.Nc, tables.nq, tables.nk)
+    classes = tile_classes(p, mods)  # [Bc, Nc, nq, nk]: Bc, Nc 1 or B, N
     # the non-empty tiles of each row first, in ascending order, then their count
     kv_list = jnp.argsort(classes == EMPTY, axis=3, stable=True).astype(jnp.int32)
     by_kv = jnp.swapaxes(classes, 2, 3)

@@ -16,13 +16,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jattn import mods as jattn_mods
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
+from jattn._src.kernels.tile_classes import tile_classes
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
-from jattn._src.masks.block_mask import classify
-from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL, closed_form_classes
+from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL
 
 if TYPE_CHECKING:
   from jattn._src.kernels.flex_tpu import Plan
@@ -290,31 +289,7 @@ def _block_tables(p: Plan, mods, origin=(0, 0)):
   """
   if not p.skip:
     return None, []
-  bq, bk = p.block_q, p.block_kv
-  parts = []
-  at = () if not p.offsets else origin  # closed_form_classes / classify: offsets 0 by default
-  if p.is_causal:
-    parts.append(closed_form_classes(jattn_mods.Causal(), 1, p.T, p.S, bq, bk, *at))
-  if p.window is not None:
-    parts.append(closed_form_classes(jattn_mods.SlidingWindow(*p.window), 1, p.T, p.S, bq, bk,
-                                     *at))
-  if p.has_mask_mod:
-    nq, nk = p.T_padded // bq, p.S_padded // bk
-    bm = mods.block_mask
-    if not p.offsets and bm is not None and bm.T == p.T and bm.S == p.S and tuple(
-        bm.classes.shape[2:]) == (nq, nk) and (bm.block_sizes.q, bm.block_sizes.kv) == (bq, bk):
-      classes = bm.classes
-    else:
-      classes = None
-      if mods.mask_mod is not None:
-        classes = closed_form_classes(mods.mask_mod, p.B, p.T, p.S, bq, bk, *at)
-      if classes is None:
-        classes = classify(mods, p.B, p.N, p.T, p.S, bq, bk, *at)
-        classes = classes[:None if mods.mask_uses(0) else 1, :None if mods.mask_uses(1) else 1]
-    parts.append(classes)
-  classes = parts[0].astype(jnp.int32)
-  for part in parts[1:]:  # AND of masks: the least class (EMPTY < PARTIAL < FULL)
-    classes = jnp.minimum(classes, part.astype(jnp.int32))
+  classes = tile_classes(p, mods, origin)
   Bc, Nc, nq, nk = classes.shape
   tables = _Tables(Bc, Nc, nq, nk)
   kv_fetch = _fetch(classes != EMPTY, axis=3)
