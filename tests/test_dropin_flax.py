@@ -138,6 +138,50 @@ def test_nnx_flax_decoding_protocol_matches_flax_and_the_full_pass(layout):
     ours(cols(x[:, :1]), lengths=jnp.ones((B,), jnp.int32))
 
 
+CHUNKS = (3, 1, 2, 1)  # tokens per decoding call: a chunk first, then single tokens
+
+
+def _chunks(x, axis):
+  """x cut along `axis` into CHUNKS."""
+  ends = np.cumsum((0,) + CHUNKS)
+  return [jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in zip(ends[:-1], ends[1:])]
+
+
+@pytest.mark.parametrize("module", ["nnx", "linen"])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_flax_protocol_decoding_in_chunks_equals_flax_full_causal_pass(module, layout):
+  """flax's cache (one position for the batch) fed 3 tokens, then 1, 2, 1: each call
+  advances the position by its length. Against flax's own module, full causal pass."""
+  L, MAX = sum(CHUNKS), sum(CHUNKS) + 2  # the cache is longer than what is written
+  x = _x((B, L, F), 1)
+  cols = (lambda a: a) if layout == "rows" else (lambda a: jnp.swapaxes(a, 1, 2))
+  axis = 1 if layout == "rows" else 2
+  causal = nn.make_causal_mask(jnp.ones((B, L)))
+  if module == "nnx":
+    theirs = nnx.MultiHeadAttention(4, F, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0))
+    ours = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=2, decode=True, layout=layout,
+                                        rngs=nnx.Rngs(1))
+    nnx.update(ours, nnx.state(theirs, nnx.Param))
+    want = theirs(x, mask=causal)
+    ours.init_cache(cols(jnp.zeros((B, MAX, F))).shape)
+    got = [ours(chunk) for chunk in _chunks(cols(x), axis)]
+    index = ours.cache_index[...]
+  else:
+    theirs = nn.MultiHeadDotProductAttention(4)
+    params = theirs.init(jax.random.key(0), x)["params"]
+    want = theirs.apply({"params": params}, x, mask=causal)
+    ours = jattn.linen.MultiHeadAttention(4, decode=True, layout=layout)
+    cache = ours.init(jax.random.key(1), cols(jnp.zeros((B, MAX, F))))["cache"]
+    got = []
+    for chunk in _chunks(cols(x), axis):  # a flax generation loop, tokens in chunks
+      y, mutated = ours.apply({"params": params, "cache": cache}, chunk, mutable=["cache"])
+      cache = mutated["cache"]
+      got.append(y)
+    index = cache["cache_index"]
+  np.testing.assert_allclose(cols(jnp.concatenate(got, axis=axis)), want, **TOL)
+  assert index.shape == () and int(index) == L
+
+
 def test_nnx_set_view_makes_a_flax_cache():
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   m.set_view(decode=True, batch_size=B, max_length=T)
