@@ -90,14 +90,15 @@ def test_linen_decoding_equals_full_causal_pass(layout):
   np.testing.assert_allclose(_decode(call, layout, x), full, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_needs_causal_and_self_attention():
+def test_decode_needs_causal_and_keys_of_the_same_tokens():
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   m.init_cache(B, MAX)
   x = jnp.zeros((B, 1, F))
   with pytest.raises(ValueError, match="is_causal=True"):
     m(x, decode=True)
-  with pytest.raises(ValueError, match="inputs_kv must be None"):
-    m(x, x, is_causal=True, decode=True)
+  with pytest.raises(ValueError, match="queries and keys must be the same new tokens, "
+                     "got T = 1 queries and 2 keys"):
+    m(x, jnp.zeros((B, 2, F)), is_causal=True, decode=True)
   with pytest.raises(ValueError, match=r"lengths: expected shape \[B\] = \(3,\), got shape \(2,\)"):
     m(x, is_causal=True, decode=True, lengths=jnp.array([1, 1]))
 
