@@ -150,8 +150,10 @@ def _chunks(x, axis):
   return [jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in zip(ends[:-1], ends[1:])]
 
 
-@pytest.mark.parametrize("module", ["nnx", "linen"])
-@pytest.mark.parametrize("layout", ["rows", "columns"])
+@pytest.mark.parametrize("module, layout", [
+    ("nnx", "rows"), ("linen", "columns"),
+    pytest.param("nnx", "columns", marks=pytest.mark.thorough),
+    pytest.param("linen", "rows", marks=pytest.mark.thorough)])
 def test_flax_protocol_decoding_in_chunks_equals_flax_full_causal_pass(module, layout):
   """flax's cache (one position for the batch) fed 3 tokens, then 1, 2, 1: each call
   advances the position by its length. Against flax's own module, full causal pass."""
@@ -415,7 +417,7 @@ def test_complex_inputs_are_refused_by_name():
     jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))(_x((B, T, F), 1), x)
 
 
-@pytest.mark.parametrize("module", ["nnx", "linen"])
+@pytest.mark.parametrize("module", ["nnx", pytest.param("linen", marks=pytest.mark.thorough)])
 def test_decoding_with_inputs_k_and_inputs_v_as_flax(module):
   """decode with inputs_k and inputs_v: the new keys and values come from them and are
   written to the cache. flax's protocol, token by token, against flax's own module

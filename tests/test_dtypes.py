@@ -156,7 +156,7 @@ def test_float64_stays_float64(impl):
       np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-10, err_msg=label)
 
 
-@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("is_causal", [False, pytest.param(True, marks=pytest.mark.thorough)])
 def test_float64_with_the_default_implementation(is_causal):
   """implementation=None traces every platform's branch, so no branch may take a kernel
   that cannot run float64 (jax's GPU kernel could not): values and gradients against

@@ -108,7 +108,8 @@ def _attention_with_lse(implementation, q, k, v, sinks):
 
 
 @pytest.mark.parametrize("implementation", [
-    "xla", "blockwise", pytest.param("vmap", marks=pytest.mark.thorough),
+    "blockwise", pytest.param("xla", marks=pytest.mark.thorough),
+    pytest.param("vmap", marks=pytest.mark.thorough),
     pytest.param("ring", marks=pytest.mark.thorough),
     pytest.param("flex_tpu", marks=(pytest.mark.thorough, pytest.mark.interpret))])
 def test_residual_of_a_row_with_no_key_is_the_sink(implementation):
