@@ -64,7 +64,9 @@ CASES = [("xla", "BTNH", True),
          pytest.param("vmap", "BNHT", True, marks=pytest.mark.thorough),
          pytest.param("blockwise", "BTNH", True, marks=pytest.mark.thorough),
          pytest.param("flex_tpu", "BTNH", False, marks=(pytest.mark.thorough,
-                                                       pytest.mark.interpret))]
+                                                       pytest.mark.interpret)),
+         # ring_attention on a one-device mesh: the ring's own loop and custom VJP
+         pytest.param("ring", "BTNH", True, marks=pytest.mark.thorough)]
 
 
 @pytest.mark.parametrize("impl, layout, with_table", CASES)
@@ -72,10 +74,16 @@ def test_rows_of_minus_inf_scores_give_zeros_lse_and_finite_gradients(impl, layo
   def loss(q, k, v, table):
     args = [jnp.einsum(f"BTNH->{layout}", x) for x in (q, k, v)]
     score_mod = _table_mod(table) if with_table else _where_mod
-    out, lse = jattn.dot_product_attention(
-        *args, implementation=impl, layout=layout, score_mod=score_mod,
-        return_residual=True,
-        block_sizes=jattn.BlockSizes(q=2, kv=4) if impl == "blockwise" else None)
+    if impl == "ring":
+      mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+      out, lse = jattn.ring_attention(*args, mesh=mesh, axis_name="seq", layout=layout,
+                                      score_mod=score_mod, return_residual=True,
+                                      block_sizes=jattn.BlockSizes(q=2, kv=4))
+    else:
+      out, lse = jattn.dot_product_attention(
+          *args, implementation=impl, layout=layout, score_mod=score_mod,
+          return_residual=True,
+          block_sizes=jattn.BlockSizes(q=2, kv=4) if impl == "blockwise" else None)
     out = jnp.einsum(f"{layout}->BTNH", out)
     return jnp.sum(out * COTANGENT), (out, lse)
 
