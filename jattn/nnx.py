@@ -264,10 +264,11 @@ class MultiHeadAttention(nnx.Module):
 
     decode (default: the constructor's): attention over the cache, after
     `init_cache`; the new tokens' keys and values (from inputs_q, or from
-    inputs_k / inputs_v when given, as flax) are written to it. With jattn's cache (init_cache(batch_size, max_length)): a
-    prompt of any length with is_causal=True, lengths int [B] (tokens past
-    lengths[b] are padding, not cached), then one token at a time; each batch
-    element continues from its own position. With flax's cache
+    inputs_k / inputs_v when given, as flax) are written to it. With jattn's
+    cache (init_cache(batch_size, max_length)): a prompt of any length with
+    is_causal=True, lengths int [B] (tokens past lengths[b] are padding, not
+    cached), then one token at a time; each batch element continues from its
+    own position. With flax's cache
     (init_cache(input_shape)): causal by construction, one position for the
     batch, as flax. lengths (without decode): keys past lengths[b] are padding.
 
