@@ -133,7 +133,8 @@ class MultiHeadAttention(nn.Module):
                sow_weights: bool = False, decode: bool = False, lengths=None,
                mask_mod=None, score_mod=None):
     """inputs_k/inputs_v/inputs_kv as flax's (keys and values default to
-    inputs_q); mask bool or numeric, nonzero = may attend, broadcastable to
+    inputs_q; each projected by a kernel sized from its own features; with
+    decode, the new tokens' keys and values come from them); mask bool or numeric, nonzero = may attend, broadcastable to
     [B, N, T, S]; dropout_rng overrides the `dropout` collection; sow_weights
     sows the weights [B, N, T, S] into 'intermediates'. lengths: int [B], keys
     past lengths[b] are padding. mask_mod / score_mod: as
