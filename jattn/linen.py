@@ -133,7 +133,8 @@ class MultiHeadAttention(nn.Module):
                sow_weights: bool = False, decode: bool = False, lengths=None,
                mask_mod=None, score_mod=None):
     """inputs_k/inputs_v/inputs_kv as flax's (keys and values default to
-    inputs_q); mask bool or numeric, nonzero = may attend, broadcastable to
+    inputs_q; each projected by a kernel sized from its own features; with
+    decode, the new tokens' keys and values come from them); mask bool or numeric, nonzero = may attend, broadcastable to
     [B, N, T, S]; dropout_rng overrides the `dropout` collection; sow_weights
     sows the weights [B, N, T, S] into 'intermediates'. lengths: int [B], keys
     past lengths[b] are padding. mask_mod / score_mod: as
@@ -148,17 +149,20 @@ class MultiHeadAttention(nn.Module):
     mask = _heads.merge_mask_batch(mask, batch)
     if lengths is not None and len(batch) != 1:
       lengths = jnp.reshape(lengths, (-1,))
-    if inputs_kv is not None:
-      warnings.warn("inputs_kv is deprecated in flax; use inputs_k and inputs_v",
-                    DeprecationWarning, stacklevel=2)
+    if inputs_kv is None and inputs_v is not None and _square(inputs_v):
+      warnings.warn(f"You are passing an array of shape {jnp.shape(inputs_v)} to the "
+                    f"`inputs_v` arg, when you may have intended to pass it to the `mask` "
+                    f"arg: as in flax since 0.7.4, the function signature of "
+                    f"MultiHeadDotProductAttention's `__call__` method has changed to "
+                    f"__call__(inputs_q, inputs_k=None, inputs_v=None, *, mask=None, ...). "
+                    f"Use the keyword `mask`.", DeprecationWarning, stacklevel=2)
     inputs_k, inputs_v, self_attention = _heads.key_value_inputs(
         inputs_q, inputs_k, inputs_v, inputs_kv)
-    F = jnp.shape(inputs_q)[_heads.feature_axis(layout)] if jnp.ndim(inputs_q) == 3 else -1
+    # F of an input of rank >= 2 (its rank is checked after its kernel, as flax's order)
+    features = lambda name, x: jnp.shape(x if jnp.ndim(x) >= 2 else _heads.check_rank(
+        name, x, layout))[_heads.feature_axis(layout)]
+    F = features("inputs_q", _heads.check_rank("inputs_q", inputs_q, layout))
     inputs_q = _heads.check_inputs("inputs_q", inputs_q, F, layout)
-    if not self_attention:
-      F_kv = jnp.shape(inputs_k)[_heads.feature_axis(layout)] if jnp.ndim(inputs_k) == 3 else -1
-      inputs_k = _heads.check_inputs("inputs_k", inputs_k, F_kv, layout)
-      inputs_v = _heads.check_inputs("inputs_v", inputs_v, F_kv, layout)
     qkv = self.qkv_features or F
     out_features = self.out_features or F
     kv_heads = self.num_kv_heads or self.num_heads
@@ -169,15 +173,22 @@ class MultiHeadAttention(nn.Module):
     proj = dict(use_bias=self.use_bias, param_dtype=self.param_dtype,
                 kernel_init=self.kernel_init, bias_init=self.bias_init)
     N, K = self.num_heads, kv_heads
+    # Each kernel sized by its own input's features, as flax's: keys and values may
+    # differ, and one that does not fit a kernel already made raises flax's
+    # ScopeParamShapeError here, before any other check of that input.
+    query_params = _Projection((F,), (N, H), name="query", **proj)()
+    key_params = _Projection((features("inputs_k", inputs_k),), (K, H), name="key", **proj)()
+    value_params = _Projection((features("inputs_v", inputs_v),), (K, H), name="value",
+                               **proj)()
+    if not self_attention:
+      inputs_k = _heads.check_inputs("inputs_k", inputs_k, key_params[0].shape[0], layout)
+      inputs_v = _heads.check_inputs("inputs_v", inputs_v, value_params[0].shape[0], layout)
     heads = dict(layout=layout, dtype=self.dtype)
     with matmul_precision(self.precision):
       # [B, T, N, H] (rows) or [B, N, H, T] (columns); key/value with S and K
-      query = _heads.project_in(inputs_q, *_Projection((F,), (N, H), name="query", **proj)(),
-                                **heads)
-      key = _heads.project_in(inputs_k, *_Projection((inputs_k.shape[_heads.feature_axis(
-          layout)],), (K, H), name="key", **proj)(), **heads)
-      value = _heads.project_in(inputs_v, *_Projection((inputs_v.shape[_heads.feature_axis(
-          layout)],), (K, H), name="value", **proj)(), **heads)
+      query = _heads.project_in(inputs_q, *query_params, **heads)
+      key = _heads.project_in(inputs_k, *key_params, **heads)
+      value = _heads.project_in(inputs_v, *value_params, **heads)
       if self.normalize_qk:  # over each head's H axis
         axis = -1 if layout == "rows" else -2
         norm = lambda name: nn.LayerNorm(name=name, use_bias=False, dtype=self.dtype,
@@ -194,7 +205,8 @@ class MultiHeadAttention(nn.Module):
       kv_lengths = lengths
       if decode or self.decode:
         key, value, mask, is_causal, kv_lengths, start = self._decode(
-            self_attention, key, value, mask, is_causal, lengths, per_row=decode)
+            key, value, mask, is_causal, lengths, query.shape[_heads.heads_token_axis(layout)],
+            per_row=decode)
         mask_mod, score_mod = _kv_cache.mods_from_positions(start, mask_mod, score_mod)
       if self.dropout_rate > 0.0:
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
@@ -245,10 +257,14 @@ class MultiHeadAttention(nn.Module):
       kwargs["module"] = self
     return self.attention_fn(query, key, value, **kwargs)
 
-  def _decode(self, self_attention, key, value, mask, is_causal, lengths, *, per_row):
-    """per_row: jattn's protocol (decode=True in the call): a position per batch
-    element. Otherwise flax's (the decode attribute): one scalar position."""
-    _kv_cache.check_call(self_attention, is_causal, per_row=per_row, lengths=lengths)
+  def _decode(self, key, value, mask, is_causal, lengths, T, *, per_row):
+    """key/value: the T new tokens' (from inputs_q, or inputs_k / inputs_v as flax),
+    written to the cache. per_row: jattn's protocol (decode=True in the call): a
+    position per batch element. Otherwise flax's (the decode attribute): one scalar
+    position."""
+    axis = _heads.heads_token_axis(self.layout)
+    _kv_cache.check_call(is_causal, T=T, new_keys=key.shape[axis], per_row=per_row,
+                         lengths=lengths)
     initialized = self.has_variable("cache", "cached_key")
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
@@ -258,14 +274,18 @@ class MultiHeadAttention(nn.Module):
     start = jnp.broadcast_to(cache_index.value, (key.shape[0],))
     if not initialized:  # init: the inputs set the cache's shape; attend as a full pass
       return key, value, mask, is_causal, lengths, start
-    axis = _heads.heads_token_axis(self.layout)
-    T = key.shape[axis]
     k, v, index, decode_mask = _kv_cache.step(
         cached_key.value, cached_value.value, cache_index.value, key, value,
         _kv_cache.check_lengths(lengths, key.shape[0], T), token_axis=axis)
     cached_key.value, cached_value.value, cache_index.value = k, v, index
     mask = decode_mask if mask is None else jnp.logical_and(mask, decode_mask)
     return k, v, mask, False, None, start
+
+
+def _square(x) -> bool:
+  """flax's sign of a mask passed positionally as inputs_v: its last two axes equal."""
+  shape = jnp.shape(x)
+  return len(shape) >= 2 and shape[-1] == shape[-2]
 
 
 class MultiHeadDotProductAttention(MultiHeadAttention):

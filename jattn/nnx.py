@@ -263,10 +263,12 @@ class MultiHeadAttention(nnx.Module):
     of the output and of the projected q, k, v (in the module's layout).
 
     decode (default: the constructor's): attention over the cache, after
-    `init_cache`. With jattn's cache (init_cache(batch_size, max_length)): a
-    prompt of any length with is_causal=True, lengths int [B] (tokens past
-    lengths[b] are padding, not cached), then one token at a time; each batch
-    element continues from its own position. With flax's cache
+    `init_cache`; the new tokens' keys and values (from inputs_q, or from
+    inputs_k / inputs_v when given, as flax) are written to it. With jattn's
+    cache (init_cache(batch_size, max_length)): a prompt of any length with
+    is_causal=True, lengths int [B] (tokens past lengths[b] are padding, not
+    cached), then one token at a time; each batch element continues from its
+    own position. With flax's cache
     (init_cache(input_shape)): causal by construction, one position for the
     batch, as flax. lengths (without decode): keys past lengths[b] are padding.
 
@@ -306,8 +308,7 @@ class MultiHeadAttention(nnx.Module):
                                          start[:, None] + jnp.arange(S))
       kv_lengths = lengths
       if decode:
-        key, value, mask = self._decode(self_attention, key, value, mask, is_causal,
-                                        lengths, T)
+        key, value, mask = self._decode(key, value, mask, is_causal, lengths, T)
         is_causal, kv_lengths = False, None
         mask_mod, score_mod = _kv_cache.mods_from_positions(start, mask_mod, score_mod)
       dropout_rng = self._dropout_rng(deterministic, rngs)
@@ -342,19 +343,18 @@ class MultiHeadAttention(nnx.Module):
     del query_positions, key_positions
     return query, key
 
-  def _decode(self, self_attention, key, value, mask, is_causal, lengths, T):
+  def _decode(self, key, value, mask, is_causal, lengths, T):
+    """key/value: the new tokens' (from inputs_q, or inputs_k / inputs_v as flax),
+    written to the cache; -> the whole cache and the decoding mask."""
     if self.cache_index is None:
       raise ValueError("decode=True needs a cache: call init_cache(batch_size, "
                        "max_length), or flax's init_cache(input_shape), first")
-    per_row = self.cache_index.ndim == 1
-    _kv_cache.check_call(self_attention, is_causal, per_row=per_row, lengths=lengths)
     axis = _heads.heads_token_axis(self.layout)
+    _kv_cache.check_call(is_causal, T=T, new_keys=key.shape[axis],
+                         per_row=self.cache_index.ndim == 1, lengths=lengths)
     if key.shape[0] != self.cached_key.shape[0]:
       raise ValueError(f"decode: inputs batch B = {key.shape[0]} does not match the "
                        f"cache, shape {self.cached_key.shape}")
-    if key.shape[axis] != T:
-      raise ValueError(f"decode: queries and keys must be the same new tokens, got "
-                       f"T = {T} queries and {key.shape[axis]} keys")
     k, v, index, decode_mask = _kv_cache.step(
         self.cached_key[...], self.cached_value[...], self.cache_index[...],
         key, value, _kv_cache.check_lengths(lengths, key.shape[0], T), token_axis=axis)

@@ -90,14 +90,15 @@ def test_linen_decoding_equals_full_causal_pass(layout):
   np.testing.assert_allclose(_decode(call, layout, x), full, rtol=1e-5, atol=1e-5)
 
 
-def test_decode_needs_causal_and_self_attention():
+def test_decode_needs_causal_and_keys_of_the_same_tokens():
   m = jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))
   m.init_cache(B, MAX)
   x = jnp.zeros((B, 1, F))
   with pytest.raises(ValueError, match="is_causal=True"):
     m(x, decode=True)
-  with pytest.raises(ValueError, match="inputs_kv must be None"):
-    m(x, x, is_causal=True, decode=True)
+  with pytest.raises(ValueError, match="queries and keys must be the same new tokens, "
+                     "got T = 1 queries and 2 keys"):
+    m(x, jnp.zeros((B, 2, F)), is_causal=True, decode=True)
   with pytest.raises(ValueError, match=r"lengths: expected shape \[B\] = \(3,\), got shape \(2,\)"):
     m(x, is_causal=True, decode=True, lengths=jnp.array([1, 1]))
 
@@ -139,19 +140,26 @@ def test_padding_tokens_are_not_written_to_the_cache(layout):
   np.testing.assert_array_equal(m.cache_index[...], [2, 4, 0])
 
 
-@pytest.mark.thorough  # ~13 s of compilation here; tools/mutation/run.py runs it
 def test_transformer_row_that_skips_a_call_keeps_its_previous_token():
   """A decoding call with lengths[b] = 0 leaves row b's cache as it was: the token
-  before its next one is still the last it was given, not the padding."""
+  before its next one is still the last it was given, not the padding. Every call
+  is jitted with one shape (2 tokens, lengths saying how many are real), so the
+  test compiles the model twice, not once per eager op."""
   from jattn.transformer import Transformer, TransformerConfig
   config = TransformerConfig(vocab_size=32, max_len=MAX, num_layers=1, features=F,
                              num_heads=2, mlp_features=32, previous_token_embedding=True)
-  tokens = jax.random.randint(jax.random.key(1), (2, 5), 1, 32)
-  model = Transformer(config, rngs=nnx.Rngs(0))
-  full = model(tokens)  # [2, 5, V]
+  tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 6), 1, 32))
+  model = nnx.jit(lambda: Transformer(config, rngs=nnx.Rngs(0)))()
+  full = nnx.jit(lambda m, tokens: m(tokens))(model, tokens)  # [2, 6, V]
   model.init_cache(2)
-  model(tokens[:, :2], decode=True)
-  padding = jnp.zeros((1, 2), tokens.dtype)  # row 1 sits this call out
-  model(jnp.concatenate([tokens[:1, 2:4], padding]), decode=True, lengths=jnp.array([2, 0]))
-  last = model(jnp.stack([tokens[0, 4:5], tokens[1, 2:3]]), decode=True)[:, 0]
-  np.testing.assert_allclose(last, np.stack([full[0, 4], full[1, 2]]), rtol=1e-5, atol=1e-5)
+  step = nnx.jit(lambda m, tokens, lengths: m(tokens, decode=True, lengths=lengths))
+  step(model, tokens[:, :2], jnp.array([2, 2]))
+  # row 1 sits this call out: its two tokens are padding (0, never a real token here)
+  step(model, np.array([tokens[0, 2:4], [0, 0]]), jnp.array([2, 0]))
+  # one real token per row, then padding: the previous token is the real one
+  third = step(model, np.array([[tokens[0, 4], 0], [tokens[1, 2], 0]]), jnp.array([1, 1]))
+  fourth = step(model, np.array([[tokens[0, 5], 0], [tokens[1, 3], 0]]), jnp.array([1, 1]))
+  np.testing.assert_allclose(third[:, 0], np.stack([full[0, 4], full[1, 2]]), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(fourth[:, 0], np.stack([full[0, 5], full[1, 3]]), rtol=1e-5,
+                             atol=1e-5)

@@ -3,6 +3,7 @@ flax.linen.MultiHeadDotProductAttention, argument by argument, same inputs and w
 
 import warnings
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,7 +74,9 @@ def test_nnx_call_arguments_as_flax():
   nnx.update(ours, nnx.state(theirs, nnx.Param))
   q, kv = _x((B, T, F), 1), _x((B, S, F), 2)
   want = theirs(q, kv)
-  for got in (ours(q, kv), ours(q, kv, kv), ours(q, inputs_k=kv), ours(q, inputs_kv=kv)):
+  with pytest.warns(DeprecationWarning, match="The inputs_kv arg will be deprecated soon."):
+    got_kv = ours(q, inputs_kv=kv)  # flax's words, as flax.linen says them
+  for got in (ours(q, kv), ours(q, kv, kv), ours(q, inputs_k=kv), got_kv):
     np.testing.assert_allclose(got, want, **TOL)
   # sow_weights: the same weights in the same place
   weights = lambda m: jax.tree.leaves(nnx.capture(m, nnx.Intermediate)(
@@ -81,7 +84,7 @@ def test_nnx_call_arguments_as_flax():
   (w,), (want_w,) = weights(ours), weights(theirs)
   assert w.shape == (B, 4, T, S)
   np.testing.assert_allclose(w, want_w, **TOL)
-  with raises(ValueError, "inputs_v needs inputs_k"):
+  with raises(ValueError, "`inputs_k` cannot be None if `inputs_v` is not None"):
     ours(q, inputs_v=kv)
 
 
@@ -136,6 +139,52 @@ def test_nnx_flax_decoding_protocol_matches_flax_and_the_full_pass(layout):
   np.testing.assert_allclose(got, cols(ours(cols(x), is_causal=True, decode=False)), **TOL)
   with raises(ValueError, "lengths: a cache made by flax's init_cache"):
     ours(cols(x[:, :1]), lengths=jnp.ones((B,), jnp.int32))
+
+
+CHUNKS = (3, 1, 2, 1)  # tokens per decoding call: a chunk first, then single tokens
+
+
+def _chunks(x, axis):
+  """x cut along `axis` into CHUNKS."""
+  ends = np.cumsum((0,) + CHUNKS)
+  return [jax.lax.slice_in_dim(x, a, b, axis=axis) for a, b in zip(ends[:-1], ends[1:])]
+
+
+@pytest.mark.parametrize("module, layout", [
+    ("nnx", "rows"), ("linen", "columns"),
+    pytest.param("nnx", "columns", marks=pytest.mark.thorough),
+    pytest.param("linen", "rows", marks=pytest.mark.thorough)])
+def test_flax_protocol_decoding_in_chunks_equals_flax_full_causal_pass(module, layout):
+  """flax's cache (one position for the batch) fed 3 tokens, then 1, 2, 1: each call
+  advances the position by its length. Against flax's own module, full causal pass."""
+  L, MAX = sum(CHUNKS), sum(CHUNKS) + 2  # the cache is longer than what is written
+  x = _x((B, L, F), 1)
+  cols = (lambda a: a) if layout == "rows" else (lambda a: jnp.swapaxes(a, 1, 2))
+  axis = 1 if layout == "rows" else 2
+  causal = nn.make_causal_mask(jnp.ones((B, L)))
+  if module == "nnx":
+    theirs = nnx.MultiHeadAttention(4, F, num_kv_heads=2, decode=False, rngs=nnx.Rngs(0))
+    ours = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=2, decode=True, layout=layout,
+                                        rngs=nnx.Rngs(1))
+    nnx.update(ours, nnx.state(theirs, nnx.Param))
+    want = theirs(x, mask=causal)
+    ours.init_cache(cols(jnp.zeros((B, MAX, F))).shape)
+    got = [ours(chunk) for chunk in _chunks(cols(x), axis)]
+    index = ours.cache_index[...]
+  else:
+    theirs = nn.MultiHeadDotProductAttention(4)
+    params = theirs.init(jax.random.key(0), x)["params"]
+    want = theirs.apply({"params": params}, x, mask=causal)
+    ours = jattn.linen.MultiHeadAttention(4, decode=True, layout=layout)
+    cache = ours.init(jax.random.key(1), cols(jnp.zeros((B, MAX, F))))["cache"]
+    got = []
+    for chunk in _chunks(cols(x), axis):  # a flax generation loop, tokens in chunks
+      y, mutated = ours.apply({"params": params, "cache": cache}, chunk, mutable=["cache"])
+      cache = mutated["cache"]
+      got.append(y)
+    index = cache["cache_index"]
+  np.testing.assert_allclose(cols(jnp.concatenate(got, axis=axis)), want, **TOL)
+  assert index.shape == () and int(index) == L
 
 
 def test_nnx_set_view_makes_a_flax_cache():
@@ -247,7 +296,8 @@ def test_bad_new_arguments_name_themselves():
     m.init_cache((B,), jnp.float32)
   with raises(ValueError, "init_cache\\(batch_size, max_length\\) needs max_length"):
     m.init_cache(B)
-  with raises(ValueError, "inputs_kv sets both"):
+  with raises(ValueError, "If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must "
+              "be None"):
     m(_x((B, T, F), 1), _x((B, S, F_KV), 2), inputs_kv=_x((B, S, F_KV), 2))
 
 
@@ -324,3 +374,102 @@ def test_lengths_reach_a_user_attention_fn_as_a_mask():
   ours = jattn.linen.MultiHeadAttention(4).apply(params, x, lengths=lengths)
   np.testing.assert_allclose(module.apply(params, x, lengths=lengths), ours,
                              rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------- flax's own attention tests' calls
+
+def test_linen_key_and_value_inputs_as_flax():
+  """Keys and values of different feature sizes each get their own kernel (flax sizes
+  the value kernel from inputs_v); an input that does not fit a kernel already made
+  raises flax's ScopeParamShapeError; inputs_kv warns in flax's words; a square
+  inputs_v (a mask passed positionally) warns as flax does, then fails as flax."""
+  q, k, v = _x((B, T, F), 1), _x((B, S, F_KV), 2), _x((B, S, 10), 3)
+  theirs, ours = nn.MultiHeadDotProductAttention(4), jattn.linen.MultiHeadAttention(4)
+  params = theirs.init(jax.random.key(0), q, k, v)
+  assert jax.tree.map(jnp.shape, ours.init(jax.random.key(0), q, k, v)) == jax.tree.map(
+      jnp.shape, params)
+  np.testing.assert_allclose(ours.apply(params, q, k, v), theirs.apply(params, q, k, v), **TOL)
+  for args in ((q, v, v), (q, k, k)):  # keys of 10 features, then values of 12
+    with pytest.raises(flax.errors.ScopeParamShapeError):
+      theirs.apply(params, *args)
+    with pytest.raises(flax.errors.ScopeParamShapeError):
+      ours.apply(params, *args)
+  params_kv = theirs.init(jax.random.key(0), q, k)
+  with pytest.warns(DeprecationWarning, match="The inputs_kv arg will be deprecated soon."):
+    got = ours.apply(params_kv, q, inputs_kv=k)
+  with pytest.warns(DeprecationWarning, match="The inputs_kv arg will be deprecated soon."):
+    np.testing.assert_allclose(got, theirs.apply(params_kv, q, inputs_kv=k), **TOL)
+  x = _x((1, 10, 1), 4)  # flax's test_multihead_mask_warning
+  one = jattn.linen.MultiHeadAttention(1)
+  variables = one.init(jax.random.key(0), x, x)
+  causal = nn.make_causal_mask(jnp.ones((1, 10)))
+  with pytest.warns(DeprecationWarning, match="the function signature of "
+                    "MultiHeadDotProductAttention's `__call__` method has changed"):
+    with pytest.raises(flax.errors.ScopeParamShapeError):
+      one.apply(variables, x, x, causal)
+
+
+def test_complex_inputs_are_refused_by_name():
+  """flax computes complex64 attention; jattn's softmax takes real float32 logits, so
+  it refuses them, naming the argument (docs/modules.md lists the difference)."""
+  x = jnp.ones((B, T, F), jnp.complex64)
+  with raises(TypeError, "inputs_q: complex inputs are not supported", "complex64"):
+    jattn.linen.MultiHeadAttention(4).init(jax.random.key(0), x)
+  with raises(TypeError, "inputs_k: complex inputs are not supported", "complex64"):
+    jattn.nnx.MultiHeadAttention(4, F, rngs=nnx.Rngs(0))(_x((B, T, F), 1), x)
+
+
+@pytest.mark.parametrize("module", ["nnx", pytest.param("linen", marks=pytest.mark.thorough)])
+def test_decoding_with_inputs_k_and_inputs_v_as_flax(module):
+  """decode with inputs_k and inputs_v: the new keys and values come from them and are
+  written to the cache. flax's protocol, token by token, against flax's own module
+  decoding the same; jattn's (a position per row, a 2-token prompt, then tokens)
+  against flax's full causal pass with those keys and values."""
+  L = 5
+  x, xk, xv = _x((B, L, F), 1), _x((B, L, F), 2), _x((B, L, F), 3)
+  causal = nn.make_causal_mask(jnp.ones((B, L)))
+  tokens = lambda t0, t1: (x[:, t0:t1], xk[:, t0:t1], xv[:, t0:t1])
+  if module == "nnx":
+    theirs = nnx.MultiHeadAttention(4, F, decode=True, rngs=nnx.Rngs(0))
+    ours = jattn.nnx.MultiHeadAttention(4, F, decode=True, rngs=nnx.Rngs(1))
+    nnx.update(ours, nnx.state(theirs, nnx.Param))
+    theirs.init_cache(x.shape)
+    ours.init_cache(x.shape)
+    want = jnp.concatenate([theirs(*tokens(t, t + 1)) for t in range(L)], axis=1)
+    got = jnp.concatenate([ours(*tokens(t, t + 1)) for t in range(L)], axis=1)
+    full = theirs(x, xk, xv, mask=causal, decode=False)
+    ours.init_cache(B, L + 1)  # jattn's protocol
+    per_row = jnp.concatenate(
+        [ours(*tokens(0, 2), is_causal=True, decode=True)]
+        + [ours(*tokens(t, t + 1), is_causal=True, decode=True) for t in range(2, L)], axis=1)
+  else:
+    theirs = nn.MultiHeadDotProductAttention(4, decode=True)
+    ours = jattn.linen.MultiHeadAttention(4, decode=True)
+    variables = theirs.init(jax.random.key(0), x, xk, xv)  # full-length inputs: the cache
+    params = {"params": variables["params"]}
+
+    def generate(module, cache):
+      outs = []
+      for t in range(L):
+        y, mutated = module.apply(params | {"cache": cache}, *tokens(t, t + 1),
+                                  mutable=["cache"])
+        cache = mutated["cache"]
+        outs.append(y)
+      return jnp.concatenate(outs, axis=1)
+
+    want = generate(theirs, variables["cache"])
+    got = generate(ours, ours.init(jax.random.key(1), x, xk, xv)["cache"])
+    full = nn.MultiHeadDotProductAttention(4).apply(params, x, xk, xv, mask=causal)
+    rows = jattn.linen.MultiHeadAttention(4)  # jattn's protocol: decode=True in the call
+    cache = rows.init(jax.random.key(1), jnp.zeros((B, L + 1, F)), is_causal=True,
+                      decode=True)["cache"]
+    outs = []
+    for t0, t1 in [(0, 2)] + [(t, t + 1) for t in range(2, L)]:
+      y, mutated = rows.apply(params | {"cache": cache}, *tokens(t0, t1), is_causal=True,
+                              decode=True, mutable=["cache"])
+      cache = mutated["cache"]
+      outs.append(y)
+    per_row = jnp.concatenate(outs, axis=1)
+  np.testing.assert_allclose(got, want, **TOL)
+  np.testing.assert_allclose(got, full, **TOL)
+  np.testing.assert_allclose(per_row, full, **TOL)

@@ -154,3 +154,23 @@ def test_float64_stays_float64(impl):
     for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
       assert g.dtype == jnp.float64, label
       np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-10, err_msg=label)
+
+
+@pytest.mark.parametrize("is_causal", [False, pytest.param(True, marks=pytest.mark.thorough)])
+def test_float64_with_the_default_implementation(is_causal):
+  """implementation=None traces every platform's branch, so no branch may take a kernel
+  that cannot run float64 (jax's GPU kernel could not): values and gradients against
+  the float64 reference, with T = S, where every fused kernel's shape rules are met."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(8)
+    q, k, v, d_out = (jnp.asarray(rng.standard_normal(s), jnp.float64) for s in (
+        (B, 8, N, H), (B, 8, K, H), (B, 8, K, H), (B, 8, N, H)))
+    fn = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=is_causal)
+    got = _values_and_grads(fn, q, k, v, d_out)
+    want = reference_vjp(q, k, v, d_out, is_causal=is_causal)
+    for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
+      assert g.dtype == jnp.float64, label
+      np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-10, err_msg=label)
+    for platform in ("cpu", "tpu", "cuda"):
+      assert jattn.explain(q, k, v, is_causal=is_causal).implementation(platform) in (
+          "xla", "blockwise"), platform

@@ -16,6 +16,7 @@ import pytest
 import jattn
 from jattn._src.impl import blockwise_loop as _blockwise
 from jattn._src.core.layout import Layout
+from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
 from jattn._src.core.modifiers import Modifiers
 from reference_grads import reference_vjp
@@ -85,9 +86,10 @@ def test_blockwise_matches_float64_reference_at_block_edges(name, shape):
 
 # ----------------------------------------------------------------- global offsets
 
-def _ranges(q, k, v, d_out, spec_of, q_cut, kv_cut, sizes, scale):
+def _ranges(q, k, v, d_out, spec_of, q_cut, kv_cut, sizes, scale, mods=None):
   """Queries and keys each cut in two ranges at global offsets; per query range the
-  kv ranges' results are combined by lse, and backward contributions summed."""
+  kv ranges' results are combined by lse, and backward contributions summed.
+  mods: a `Mods` (mask_mod of global positions) for every range alike."""
   T, S = q.shape[1], k.shape[1]
   lay = Layout("BTNH")
   q_parts, kv_parts = [(0, q_cut), (q_cut, T)], [(0, kv_cut), (kv_cut, S)]
@@ -96,16 +98,16 @@ def _ranges(q, k, v, d_out, spec_of, q_cut, kv_cut, sizes, scale):
   for t0, t1 in q_parts:
     partial = [_blockwise.forward(
         q[:, t0:t1], k[:, s0:s1], v[:, s0:s1],
-        Modifiers(structure=spec_of(t0, t1, s0, s1), scale=scale), lay, t0, s0, sizes)
-        for s0, s1 in kv_parts]
+        Modifiers(structure=spec_of(t0, t1, s0, s1), mods=mods, scale=scale), lay, t0, s0,
+        sizes) for s0, s1 in kv_parts]
     lse = jnp.logaddexp(*(l for _, l in partial))  # [B, N, t]
     out = sum(o * jnp.exp(l - lse).transpose(0, 2, 1)[..., None] for o, l in partial)
     dq = 0.0
     for s0, s1 in kv_parts:
       g = _blockwise.backward(
           q[:, t0:t1], k[:, s0:s1], v[:, s0:s1],
-          Modifiers(structure=spec_of(t0, t1, s0, s1), scale=scale), lay, t0, s0, sizes,
-          out, lse, d_out[:, t0:t1])
+          Modifiers(structure=spec_of(t0, t1, s0, s1), mods=mods, scale=scale), lay, t0, s0,
+          sizes, out, lse, d_out[:, t0:t1])
       dq = dq + g[0]
       grads_k = grads_k.at[:, s0:s1].add(g[1])
       grads_v = grads_v.at[:, s0:s1].add(g[2])
@@ -136,6 +138,25 @@ def test_ranges_at_global_offsets_match_float64_reference(name):
   got = jax.jit(lambda *a: _ranges(*a, spec_of, q_cut, kv_cut, jattn.BlockSizes(q=bq, kv=bk),
                                    0.5))(q, k, v, d_out)
   want = reference_vjp(q, k, v, d_out, scale=0.5, **masks)
+  for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
+    np.testing.assert_allclose(g, w, **TOL, err_msg=label)
+
+
+def test_hand_written_mask_mod_at_global_offsets_matches_float64_reference():
+  """A lambda (classified by evaluating it, not by a closed form) on ranges that start
+  mid-block, with blocks that divide no range: its block classes and its values must
+  both be taken at global positions. It depends on b, n and t, s apart (no shift of
+  both keeps it), and leaves FULL, PARTIAL and EMPTY blocks among the range pairs."""
+  T, S, bq, bk, q_cut, kv_cut = 13, 12, 3, 4, 5, 7
+  q, k, v, d_out = _inputs(T, S, seed=5)
+  mask_mod = lambda b, n, t, s: ((s <= t + b) & (s + 5 + n >= t)) | (s < 2)
+  t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+  b, n = np.arange(B)[:, None, None, None], np.arange(N)[None, :, None, None]
+  allowed = ((s <= t + b) & (s + 5 + n >= t)) | (s < 2)  # [B, N, T, S]
+  mods = build_mods(mask_mod, None, None, None, N=N)
+  got = jax.jit(lambda *a: _ranges(*a, lambda *_: MaskSpec(), q_cut, kv_cut,
+                                   jattn.BlockSizes(q=bq, kv=bk), 0.5, mods))(q, k, v, d_out)
+  want = reference_vjp(q, k, v, d_out, scale=0.5, mask=allowed)
   for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
     np.testing.assert_allclose(g, w, **TOL, err_msg=label)
 

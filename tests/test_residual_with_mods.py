@@ -2,8 +2,9 @@
 
 return_residual's lse with sinks and a score_mod, against a float64 NumPy
 reference: lse = log(exp(sinks[n]) + sum_s exp(l_s)) over the visible keys,
-l = score_mod(q . k * scale); and mods through `jattn.flax_attention_fn`
-inside flax's own module, against the dense mask flax's default attention takes.
+l = score_mod(q . k * scale) (a row that sees no key: lse = sinks[n]); and mods
+through `jattn.flax_attention_fn` inside flax's own module, against the dense mask
+flax's default attention takes.
 Letters as everywhere: B T S N K G H D F.
 """
 
@@ -17,6 +18,7 @@ from flax import nnx
 
 import jattn
 from jattn import mods
+from jattn._src.impl.interpret import pallas_interpret
 from tests.helpers import raises
 
 B, T, S, N, K, H = 2, 11, 13, 4, 2, 8
@@ -84,3 +86,49 @@ def test_module_with_an_attention_fn_refuses_mods():
   with raises(ValueError, "use_sinks", "attention_fn"):
     jattn.nnx.MultiHeadAttention(N, 16, attention_fn=jattn.flax_attention_fn,
                                  use_sinks=True, rngs=nnx.Rngs(0))(x)
+
+
+def _no_key_before(b, n, t, s):
+  """Hand-written: causal, and rows t < 2 + b see no key at all."""
+  return (s <= t) & (t >= 2 + b)
+
+
+def _attention_with_lse(implementation, q, k, v, sinks):
+  """(out [B, T, N, H], lse [B, T, N]) with sinks and `_no_key_before`."""
+  kwargs = dict(mask_mod=_no_key_before, sinks=sinks, return_residual=True)
+  if implementation == "ring":  # one device's ring: the ring's own sink step
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+    return jattn.ring_attention(q, k, v, mesh=mesh, axis_name="seq",
+                                block_sizes=jattn.BlockSizes(q=4, kv=3), **kwargs)
+  with pallas_interpret(implementation == "flex_tpu"):
+    return jattn.dot_product_attention(
+        q, k, v, implementation=implementation,
+        block_sizes=jattn.BlockSizes(q=4, kv=3) if implementation == "blockwise" else None,
+        **kwargs)
+
+
+@pytest.mark.parametrize("implementation", [
+    "blockwise", pytest.param("xla", marks=pytest.mark.thorough),
+    pytest.param("vmap", marks=pytest.mark.thorough),
+    pytest.param("ring", marks=pytest.mark.thorough),
+    pytest.param("flex_tpu", marks=(pytest.mark.thorough, pytest.mark.interpret))])
+def test_residual_of_a_row_with_no_key_is_the_sink(implementation):
+  """The denominator of a row that sees no key holds only the sink: lse = sinks[n],
+  out = 0; the other rows' lse = log(exp(sinks[n]) + sum_s exp(l_s)), float64."""
+  rng = np.random.default_rng(5)
+  q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+  k = rng.standard_normal((B, S, K, H)).astype(np.float32)
+  v = rng.standard_normal((B, S, K, H)).astype(np.float32)
+  out, lse = _attention_with_lse(implementation, q, k, v, SINKS)
+
+  t, s, b = np.arange(T)[:, None], np.arange(S)[None, :], np.arange(B)[:, None, None]
+  visible = (s <= t) & (t >= 2 + b)  # [B, T, S]
+  empty = ~visible.any(-1)  # [B, T]: rows 0, 1 of batch 0, rows 0, 1, 2 of batch 1
+  logits = np.einsum("BTNH,BSNH->BNTS", np.float64(q), np.repeat(np.float64(k), G, 2))
+  terms = np.where(visible[:, None], np.exp(logits / np.sqrt(H)), 0.0).sum(-1)  # [B, N, T]
+  expected = np.einsum("BNT->BTN", np.log(terms + np.exp(np.float64(SINKS))[None, :, None]))
+  lse, out = np.asarray(lse), np.asarray(out)
+  assert empty.sum() == 5 and lse.shape == (B, T, N)
+  np.testing.assert_allclose(lse[empty], np.broadcast_to(SINKS, (5, N)), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(lse, expected, rtol=1e-5, atol=1e-5)
+  assert np.all(out[empty] == 0)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jattn._src.core import checks as _checks
-from jattn._src.core.softmax import logits_dtype, masked_softmax
+from jattn._src.core.softmax import logits_dtype, masked_softmax, scored_mask
 
 
 def default_scale(depth: int) -> float:
@@ -34,6 +34,7 @@ def attend_with_weights(q, k, v, mask, bias, keep, scale, t=None, *, score=None,
   if score is not None:
     positions = jnp.arange(k.shape[0], dtype=jnp.int32)
     logits = jax.vmap(score, in_axes=(0, None, 0))(logits, t, positions)
+    mask = scored_mask(logits, mask)
   sink = None if sink is None else jnp.reshape(sink, (1,)).astype(dtype)
   weights = masked_softmax(logits, mask, axis=-1, sinks=sink)
   used = weights if keep is None else weights * keep.astype(dtype)

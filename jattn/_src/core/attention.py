@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from jattn._src.core import checks as _checks
 from jattn._src.core.attend import attend_with_weights, default_scale
-from jattn._src.core.softmax import logits_dtype, masked_softmax
+from jattn._src.core.softmax import logits_dtype, masked_softmax, scored_mask
 
 LAYOUTS = ("rows", "columns")
 
@@ -40,6 +40,7 @@ def _columns(q, k, v, mask, bias, keep, scale, score=None, sink=None):
     per_key = jax.vmap(score, in_axes=(0, None, 0))
     logits = jax.vmap(per_key, in_axes=(1, 0, None), out_axes=1)(
         logits, positions(logits.shape[1]), positions(logits.shape[0]))
+    mask = scored_mask(logits, mask)
   sink = None if sink is None else jnp.reshape(sink, (1, 1)).astype(dtype)
   weights = masked_softmax(logits, mask, axis=0, sinks=sink)
   used = weights if keep is None else weights * keep.astype(dtype)

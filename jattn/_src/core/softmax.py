@@ -33,6 +33,17 @@ def masked_softmax(logits: jax.Array, mask: jax.Array | None, axis: int, *,
   return jnp.where(mask, weights, 0.0)
 
 
+def scored_mask(logits: jax.Array, mask: jax.Array | None) -> jax.Array:
+  """`mask` ANDed with logits != -inf, for logits that a score_mod returned.
+
+  A score_mod may drop a key by returning -inf; a row of only -inf must then
+  give zeros and finite gradients, as a fully masked row does, not the NaN of
+  exp(-inf - -inf).
+  """
+  finite = logits != -jnp.inf
+  return finite if mask is None else mask & finite
+
+
 def _softmax_with_sinks(logits, mask, axis, sinks):
   """exp(l) / (exp(sink) + sum exp(l)); the sink keeps the denominator positive,
   so a row with no visible key gets zeros without a division by zero."""

@@ -164,6 +164,9 @@ def pallas_plan(call, platform: str):
   """A `PallasPlan` when jax's Pallas GPU flash kernel computes `call`, else the reason."""
   try:
     _common(call)
+    # its running max and sum are float32: a float64 call cannot even be traced
+    if str(call.dtype) not in ("float16", "bfloat16", "float32"):
+      raise _Cannot(f"it takes float16, bfloat16 or float32, got query dtype {call.dtype}")
     structure = call.structure
     for name, x in (("local_window_size", call.window),
                     ("query_seq_lengths", structure.q_lengths),

@@ -14,7 +14,7 @@ from jattn._src.impl.dense import dense_mask_and_keep
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.masks.programmable import apply_score, sinks_like
-from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax
+from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax, scored_mask
 
 _LOGICAL = "BKGTS"  # mask, bias and weights: logical order, N split
 
@@ -58,13 +58,15 @@ def xla_attention(query, key, value, modifiers: Modifiers, layout: Layout):
   if bias is not None:
     logits = logits + to_logits(bias).astype(dtype)
   sinks = None
+  mask = to_logits(mask)
   if modifiers.has_score_mod:
     logits = apply_score(mods, logits, logits_sub, N // K)
+    mask, may_empty_a_row = scored_mask(logits, mask), True
   if modifiers.sinks is not None:
     sinks = sinks_like(modifiers.sinks, logits_sub, K, dtype)
-  weights = masked_softmax(logits, to_logits(mask), axis=-1,
+  weights = masked_softmax(logits, mask, axis=-1,
                            may_empty_a_row=may_empty_a_row, sinks=sinks)
-  lse = _row_lse(logits, to_logits(mask), logits_sub)  # [B, K, G, T]
+  lse = _row_lse(logits, mask, logits_sub)  # [B, K, G, T]
   if sinks is not None:  # the sink is a term of every row's denominator
     lse = jnp.logaddexp(lse, modifiers.sinks.astype(dtype).reshape(1, K, N // K, 1))
   lse = lse.reshape((B, N, T))

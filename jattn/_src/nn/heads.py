@@ -10,6 +10,7 @@ flax.nnx.MultiHeadAttention, so weights move between the modules unchanged.
 from __future__ import annotations
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +43,23 @@ def heads_token_axis(layout: str) -> int:
   return 1 if layout == "rows" else 3
 
 
+def check_rank(name: str, x, layout: str):
+  """x is rank 3, [B, T, F] (rows) or [B, F, T] (columns)."""
+  if jnp.ndim(x) != 3:
+    legend = "[B, T, F]" if layout == "rows" else "[B, F, T]"
+    raise ValueError(f"{name}: expected rank 3 {legend} for layout {layout!r} (or any "
+                     f"number of batch axes before the last two), got shape "
+                     f"{jnp.shape(x)}")
+  return x
+
+
 def check_inputs(name: str, x, in_features: int, layout: str) -> jax.Array:
   """x is [B, T, F] (rows) or [B, F, T] (columns) with F == in_features."""
-  x = jnp.asarray(x)
+  x = jnp.asarray(check_rank(name, x, layout))
   legend = "[B, T, F]" if layout == "rows" else "[B, F, T]"
-  if x.ndim != 3:
-    raise ValueError(f"{name}: expected rank 3 {legend} for layout {layout!r} (or any "
-                     f"number of batch axes before the last two), got shape {x.shape}")
+  if jnp.iscomplexobj(x):
+    raise TypeError(f"{name}: complex inputs are not supported (jattn's softmax takes "
+                    f"real float32 logits), got dtype {x.dtype} with shape {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype} "
                     f"with shape {x.shape}")
@@ -134,16 +145,23 @@ def refuse_mods_with_attention_fn(*, mask_mod, score_mod, use_sinks: bool) -> No
 
 def key_value_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
   """flax's rules: inputs_k defaults to inputs_q, inputs_v to inputs_k;
-  inputs_kv (older flax) sets both. Returns (inputs_k, inputs_v, self_attention)."""
+  inputs_kv (older flax) sets both, with flax's DeprecationWarning. The errors and
+  the warning start with flax's words, so code that matches them keeps working.
+  Returns (inputs_k, inputs_v, self_attention)."""
   if inputs_kv is not None:
     if inputs_k is not None or inputs_v is not None:
-      raise ValueError("inputs_kv sets both keys and values: pass either inputs_kv or "
-                       "inputs_k/inputs_v, not both")
+      raise ValueError("If either `inputs_k` or `inputs_v` is not None, `inputs_kv` must "
+                       "be None: inputs_kv sets both keys and values, so pass either "
+                       "inputs_kv or inputs_k/inputs_v")
+    warnings.warn("The inputs_kv arg will be deprecated soon. Use inputs_k and inputs_v "
+                  "instead (flax's deprecation; jattn follows it).", DeprecationWarning,
+                  stacklevel=3)
     inputs_k = inputs_v = inputs_kv
   if inputs_k is None:
     if inputs_v is not None:
-      raise ValueError("inputs_v needs inputs_k: pass the same array as inputs_k and "
-                       "leave inputs_v None for keys and values from one input")
+      raise ValueError("`inputs_k` cannot be None if `inputs_v` is not None: pass the same "
+                       "array as inputs_k and leave inputs_v None for keys and values "
+                       "from one input")
     return inputs_q, inputs_q, True
   return inputs_k, (inputs_k if inputs_v is None else inputs_v), False
 

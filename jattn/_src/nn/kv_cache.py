@@ -78,22 +78,24 @@ def step(cached_key, cached_value, index, key, value, lengths, *, token_axis: in
   return cached_key, cached_value, index + lengths, decode_mask(index, T, S)
 
 
-def check_call(self_attention: bool, is_causal: bool, *, per_row: bool = True,
+def check_call(is_causal: bool, *, T: int, new_keys: int, per_row: bool = True,
                lengths=None) -> None:
-  """decode=True is causal self-attention over the cache; anything else is refused.
+  """decode=True is causal attention over the cache; anything else is refused.
 
+  A call's T queries and its new keys and values are the same T tokens: computed
+  from inputs_q, or from inputs_k / inputs_v when given, as flax writes them.
   flax's protocol (per_row=False, a scalar cache index) is causal by
-  construction and needs neither is_causal nor self-attention, as in flax;
-  it has one position for the batch, so no lengths."""
+  construction and needs no is_causal, as in flax; it has one position for
+  the batch, so no lengths."""
+  if new_keys != T:
+    raise ValueError(f"decode: queries and keys must be the same new tokens, got "
+                     f"T = {T} queries and {new_keys} keys")
   if not per_row:
     if lengths is not None:
       raise ValueError("lengths: a cache made by flax's init_cache(input_shape) keeps one "
                        "position for the batch; for a length per row use "
                        "init_cache(batch_size, max_length)")
     return
-  if not self_attention:
-    raise ValueError("decode=True is self-attention over the cache: inputs_kv "
-                     "must be None")
   if not is_causal:
     raise ValueError("decode=True attends causally over the cache: pass "
                      "is_causal=True")
