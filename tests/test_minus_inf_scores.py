@@ -57,13 +57,15 @@ def _reference(with_table):
 
 
 # (implementation, layout, score_mod reads TABLE): "vmap" in BNHT runs the single-head
-# columns path; flex_tpu (interpreted) takes no [N, T, S] table, so the same entries
+# columns path; flex_tpu and flex_gpu (interpreted) take no [N, T, S] table, so the same entries
 # without one. The CI tier runs the dense path the fix is in; the rest is thorough.
 CASES = [("xla", "BTNH", True),
          pytest.param("vmap", "BTNH", True, marks=pytest.mark.thorough),
          pytest.param("vmap", "BNHT", True, marks=pytest.mark.thorough),
          pytest.param("blockwise", "BTNH", True, marks=pytest.mark.thorough),
          pytest.param("flex_tpu", "BTNH", False, marks=(pytest.mark.thorough,
+                                                       pytest.mark.interpret)),
+         pytest.param("flex_gpu", "BTNH", False, marks=(pytest.mark.thorough,
                                                        pytest.mark.interpret)),
          # ring_attention on a one-device mesh: the ring's own loop and custom VJP
          pytest.param("ring", "BTNH", True, marks=pytest.mark.thorough)]
@@ -88,7 +90,7 @@ def test_rows_of_minus_inf_scores_give_zeros_lse_and_finite_gradients(impl, layo
     return jnp.sum(out * COTANGENT), (out, lse)
 
   grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
-  with pallas_interpret(impl == "flex_tpu"):
+  with pallas_interpret(impl in ("flex_tpu", "flex_gpu")):
     grads, (out, lse) = grad(*(jnp.asarray(x) for x in (Q, KEY, V, TABLE)))
   ref_out, *ref_grads, ref_lse = _reference(with_table)
   if not with_table:

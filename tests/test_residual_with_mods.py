@@ -100,7 +100,7 @@ def _attention_with_lse(implementation, q, k, v, sinks):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
     return jattn.ring_attention(q, k, v, mesh=mesh, axis_name="seq",
                                 block_sizes=jattn.BlockSizes(q=4, kv=3), **kwargs)
-  with pallas_interpret(implementation == "flex_tpu"):
+  with pallas_interpret(implementation in ("flex_tpu", "flex_gpu")):
     return jattn.dot_product_attention(
         q, k, v, implementation=implementation,
         block_sizes=jattn.BlockSizes(q=4, kv=3) if implementation == "blockwise" else None,
@@ -111,7 +111,8 @@ def _attention_with_lse(implementation, q, k, v, sinks):
     "blockwise", pytest.param("xla", marks=pytest.mark.thorough),
     pytest.param("vmap", marks=pytest.mark.thorough),
     pytest.param("ring", marks=pytest.mark.thorough),
-    pytest.param("flex_tpu", marks=(pytest.mark.thorough, pytest.mark.interpret))])
+    pytest.param("flex_tpu", marks=(pytest.mark.thorough, pytest.mark.interpret)),
+    pytest.param("flex_gpu", marks=(pytest.mark.thorough, pytest.mark.interpret))])
 def test_residual_of_a_row_with_no_key_is_the_sink(implementation):
   """The denominator of a row that sees no key holds only the sink: lse = sinks[n],
   out = 0; the other rows' lse = log(exp(sinks[n]) + sum_s exp(l_s)), float64."""
