@@ -351,9 +351,11 @@ def test_default_implementation_rule():
   assert _chosen(side, side) == "blockwise"
   assert _chosen(side // 2, side) == "xla"
   assert _chosen(side, side, return_weights=True) == "xla"
-  # neither cuDNN (float32) nor the Pallas kernel (a window): xla while the logits are small
-  assert _chosen(64, 64, platform="cuda", local_window_size=3) == "xla"
-  assert _chosen(2**14, 2**14, N=8, platform="cuda", local_window_size=3) == "blockwise"
+  # a window: neither cuDNN (float32) nor jax's Pallas kernel, jattn's own does
+  assert _chosen(64, 64, platform="cuda", local_window_size=3) == "flex_gpu"
+  # a dense bias: no fused kernel; xla while the logits are small, then blockwise
+  assert _chosen(64, 64, platform="cuda", bias=jnp.zeros(())) == "xla"
+  assert _chosen(2**14, 2**14, N=8, platform="cuda", bias=jnp.zeros(())) == "blockwise"
   assert _chosen(2**14, 2**14, N=8, platform="tpu", bias=jnp.zeros(())) == "blockwise"
 
 
