@@ -130,9 +130,10 @@ def _check_values_and_lse(case, interpret):
 
 
 @pytest.mark.parametrize("case", [
-    "hand_written_per_head", "relative_bias_gathered",
+    "hand_written_per_head",
     *(pytest.param(c, marks=pytest.mark.thorough) for c in (
-        "alibi_prefix_lm_per_batch", "window_lengths_segments", "soft_cap_sinks"))])
+        "relative_bias_gathered", "alibi_prefix_lm_per_batch", "window_lengths_segments",
+        "soft_cap_sinks"))])
 def test_gradients_against_float64_central_differences(case):
   """d loss / d (q, k, v, sinks, score_mod's captured arrays) along random directions."""
   kw, allowed, score = CASES[case]
@@ -219,19 +220,20 @@ def test_gradients_into_captured_arrays_in_the_kernel_same_bits_twice():
   np.testing.assert_allclose(d_table, numeric_table, rtol=2e-4, atol=2e-4)
 
 
-def test_bfloat16_float16_and_the_columns_layout():
+@pytest.mark.parametrize("dtype", [
+    jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.thorough)])
+def test_half_precision_and_the_columns_layout(dtype):
   """Half precision against float64 (float32 logits and softmax inside), tokens as columns
   (BNHT: each tile read after one transpose), H != D."""
   kw, allowed, score = CASES["alibi_prefix_lm_per_batch"]
-  for dtype in (jnp.bfloat16, jnp.float16):
-    q, k, v = _inputs(D=40, dtype=dtype)
-    cols = [jnp.einsum("btnh->bnht", x) for x in (q, k, v)]
-    with pallas_interpret():
-      out = jattn.dot_product_attention(*cols, implementation="flex_gpu", layout="BNHT", **kw)
-    want, _ = reference_mods(q, k, v, allowed=allowed, score=score)
-    assert out.dtype == dtype
-    np.testing.assert_allclose(np.einsum("bndt->btnd", np.asarray(out, np.float32)), want,
-                               atol=3e-2)
+  q, k, v = _inputs(D=40, dtype=dtype)
+  cols = [jnp.einsum("btnh->bnht", x) for x in (q, k, v)]
+  with pallas_interpret():
+    out = jattn.dot_product_attention(*cols, implementation="flex_gpu", layout="BNHT", **kw)
+  want, _ = reference_mods(q, k, v, allowed=allowed, score=score)
+  assert out.dtype == dtype
+  np.testing.assert_allclose(np.einsum("bndt->btnd", np.asarray(out, np.float32)), want,
+                             atol=3e-2)
 
 
 def test_block_classes_drive_the_kernels_empty_skipped_full_unmasked():
@@ -306,7 +308,10 @@ EXPORTED = {
 }
 
 
-@pytest.mark.parametrize("case", list(EXPORTED))
+# tests/test_lowering.py exports every case for CUDA; here the kernels are named
+@pytest.mark.parametrize("case", [
+    "hand_written", *(pytest.param(c, marks=pytest.mark.thorough)
+                      for c in EXPORTED if c != "hand_written")])
 def test_export_for_cuda_has_the_triton_kernels_and_no_TS_tensor(case):
   """implementation=None, exported for CUDA from this CPU host: the forward is one Triton
   kernel, the gradient adds the dq and dk/dv kernels; nothing [T, S]-shaped is formed."""
