@@ -154,7 +154,7 @@ _SHRUNK = ("vocab_size", "seq_len", "num_kv_pairs", "features", "num_heads", "ml
            "batch_size", "warmup_steps")
 
 
-@pytest.mark.parametrize("name", ["mqar_gemma2_style"])
+@pytest.mark.parametrize("name", ["mqar_gemma2_style", "mqar_attention_only"])
 def test_new_configs_train_a_few_steps_with_one_layer(name):
   """Each config of the training page, shrunk to tiny's sizes and one layer, keeps its
   own options (windows, cap, sinks, positions) and its pure train_step runs 3 steps
