@@ -20,6 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.layout = "rows"  # "rows" (activations [B, T, F]) or "columns" ([B, F, T])
   config.position_encoding = "rope"  # "rope" (rotary q and k in every layer) or "learned"
   config.previous_token_embedding = True  # add an embedding of token t-1 at t (see README)
+  config.attention_pattern = ()  # per layer, cycled: None global causal, int w a window of w keys back
+  config.logit_soft_cap = config_dict.placeholder(float)  # cap * tanh(logit / cap) in every layer (None: off)
+  config.sinks = False  # a learned attention sink per head in every layer
   config.implementation = config_dict.placeholder(str)  # jattn.dot_product_attention implementation (None: best; "ring" when mesh.seq > 1)
   # devices: a ("data", "model", "seq") mesh; data * model * seq = all devices
   config.mesh = ml_collections.ConfigDict()

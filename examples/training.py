@@ -66,6 +66,13 @@ def check_config(config) -> None:
   if config.vocab_size // 2 - 1 < config.num_kv_pairs:
     raise ValueError(f"config.vocab_size ({config.vocab_size}) is too small for "
                      f"config.num_kv_pairs ({config.num_kv_pairs}) distinct keys")
+  if not all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w > 0)
+             for w in config.attention_pattern):
+    raise ValueError(f"config.attention_pattern entries must be None or a positive int, "
+                     f"got {tuple(config.attention_pattern)!r}")
+  if config.logit_soft_cap is not None and not config.logit_soft_cap > 0:
+    raise ValueError(f"config.logit_soft_cap must be None or positive, got "
+                     f"{config.logit_soft_cap!r}")
   check_mesh(config)
   if not config.learning_rate > 0:
     raise ValueError(f"config.learning_rate must be positive, got {config.learning_rate!r}")
@@ -133,7 +140,9 @@ def model_config(config, *, for_weights: bool = False) -> TransformerConfig:
       mlp_features=config.mlp_features, layout=config.layout,
       implementation="ring" if ring else config.implementation,
       position_encoding=config.position_encoding,
-      previous_token_embedding=config.previous_token_embedding)
+      previous_token_embedding=config.previous_token_embedding,
+      attention_pattern=tuple(config.attention_pattern),
+      logit_soft_cap=config.logit_soft_cap, sinks=config.sinks)
 
 
 def make_optimizer(config) -> optax.GradientTransformation:

@@ -42,17 +42,20 @@ def _decode(call, layout, x):
   return out
 
 
-def _decode_transformer(model, tokens):
+def _decode_transformer(model, tokens, call=None):
   """Logits [B, L, V] from decoding a Transformer: prompts of PROMPTS[b] tokens, then
-  single tokens, each batch element from its own cache position."""
+  single tokens, each batch element from its own cache position. call(model, tokens,
+  lengths) runs one decoding call (default: eagerly)."""
+  if call is None:
+    call = lambda m, t, lengths: m(t, decode=True, lengths=lengths)
   model.init_cache(B)
-  first = model(tokens[:, :PROMPTS.max()], decode=True, lengths=jnp.asarray(PROMPTS))
+  first = call(model, tokens[:, :PROMPTS.max()], jnp.asarray(PROMPTS))
   got = np.zeros(first.shape[:1] + (L,) + first.shape[2:], np.float32)
   for b in range(B):
     got[b, :PROMPTS[b]] = first[b, :PROMPTS[b]]
   for j in range(L - PROMPTS.min()):
     t = np.minimum(PROMPTS + j, L - 1)  # elements already at the end repeat their last token
-    step = model(jnp.asarray(tokens)[np.arange(B), t][:, None], decode=True)[:, 0]
+    step = call(model, jnp.asarray(tokens)[np.arange(B), t][:, None], None)[:, 0]
     for b in range(B):
       if PROMPTS[b] + j < L:
         got[b, PROMPTS[b] + j] = step[b]
@@ -163,3 +166,45 @@ def test_transformer_row_that_skips_a_call_keeps_its_previous_token():
                              atol=1e-5)
   np.testing.assert_allclose(fourth[:, 0], np.stack([full[0, 5], full[1, 3]]), rtol=1e-5,
                              atol=1e-5)
+
+
+def test_gemma2_style_config_decodes_as_its_full_pass():
+  """configs/mqar_gemma2_style.py, shrunk: alternating local and global layers, capped
+  logits and sinks. Its full pass equals the plain float64 model (which reads the
+  windows, cap and sinks from the config itself), and KV-cache decoding equals the full
+  pass, so a window measured from the wrong cache position fails."""
+  import sys
+  import types
+  sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples"))
+  import training  # noqa: E402
+  from configs import mqar_gemma2_style
+  from jattn.rope import DEFAULT_BASE
+  from jattn.transformer import Transformer
+  from tests.test_transformer_reference import B as RB, T as RT, reference_logits
+
+  config = mqar_gemma2_style.get_config()
+  assert any(w is None for w in config.attention_pattern)  # global layers
+  assert any(w is not None for w in config.attention_pattern)  # and local ones
+  # small sizes; a window of 2 keys back (shorter than the sequence, so it cuts) and
+  # a cap of 1 (so it bends the logits of this small model)
+  config.attention_pattern = tuple(None if w is None else 2 for w in config.attention_pattern)
+  config.logit_soft_cap = 1.0
+  config.vocab_size, config.seq_len, config.features, config.mlp_features = 32, MAX, F, 32
+  config.num_heads, config.num_kv_heads = 4, 2
+  model = Transformer(training.model_config(config), rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(3)
+  for block in model.blocks:  # non-zero sinks, so that they count
+    block.attention.sinks[...] = jnp.asarray(rng.standard_normal(4), jnp.float32)
+
+  spec = types.SimpleNamespace(**config.to_dict(), rope_base=DEFAULT_BASE)
+  tokens = rng.integers(0, 32, (RB, RT)).astype(np.int32)
+  forward = nnx.jit(lambda m, t: m(t))  # compiled: eager dispatch of the mods is slow
+  np.testing.assert_allclose(forward(model, jnp.asarray(tokens)),
+                             reference_logits(model, spec, tokens, [RT] * RB),
+                             rtol=2e-4, atol=2e-4)
+
+  tokens = jax.random.randint(jax.random.key(0), (B, L), 0, 32)
+  full = forward(model, tokens)  # [B, L, V]
+  decode = nnx.jit(lambda m, t, lengths: m(t, decode=True, lengths=lengths))
+  np.testing.assert_allclose(_decode_transformer(model, tokens, decode), full,
+                             rtol=1e-5, atol=1e-5)

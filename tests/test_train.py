@@ -82,6 +82,9 @@ def test_data_is_a_function_of_seed_and_step_and_answers_are_recallable():
     ("position_encoding", "alibi", "config.position_encoding must be one of"),
     ("num_kv_heads", 3, r"config.num_kv_heads \(3\) must divide config.num_heads \(2\)"),
     ("mesh.model", 0, "config.mesh.model must be a positive int"),
+    ("attention_pattern", (4, 0), r"config.attention_pattern entries must be None or a "
+                                  r"positive int, got \(4, 0\)"),
+    ("logit_soft_cap", -1.0, "config.logit_soft_cap must be None or positive, got -1.0"),
     ("mesh.seq", 2, r"config.mesh data x model x seq = -1 x 1 x 2 must use all 1 devices"),
     ("mesh.data", 2, r"config.mesh data x model x seq = 2 x 1 x 1 must use all 1 devices"),
 ])
@@ -144,3 +147,37 @@ def test_eight_devices_give_the_loss_of_one(tmp_path, meshes):
     for a, b in zip(one["metrics"], run["metrics"]):
       np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
       np.testing.assert_allclose(a["accuracy"], b["accuracy"], rtol=1e-6)
+
+
+
+_SHRUNK = ("vocab_size", "seq_len", "num_kv_pairs", "features", "num_heads", "mlp_features",
+           "batch_size", "warmup_steps")
+
+
+@pytest.mark.parametrize("name", ["mqar_gemma2_style", "mqar_attention_only"])
+def test_new_configs_train_a_few_steps_with_one_layer(name):
+  """Each config of the training page, shrunk to tiny's sizes and one layer, keeps its
+  own options (windows, cap, sinks, positions) and its pure train_step runs 3 steps
+  to finite losses, moving the sinks where it has them. (The loop, checkpoints and
+  plots are tested on the tiny config above; here only one compilation.)"""
+  import importlib
+  config = importlib.import_module(f"configs.{name}").get_config()
+  small = tiny.get_config()
+  for field in _SHRUNK:
+    config[field] = small[field]
+  config.num_layers, config.num_steps = 1, 3
+  training.check_config(config)
+  model = training.model_config(config)
+  assert model.attention_pattern == tuple(config.attention_pattern)
+  assert (model.logit_soft_cap, model.sinks) == (config.logit_soft_cap, config.sinks)
+  assert model.previous_token_embedding == config.previous_token_embedding
+  graphdef, tx, state = training.create_state(config)
+  first = [np.array(x) for x in _params(state)]  # copies: the state is donated
+  train_step = jax.jit(training.make_train_step(graphdef, tx), donate_argnums=0)
+  for step in range(3):
+    state, metrics = train_step(state, mqar_data.train_batch(config, step))
+    assert np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))
+  assert int(state["step"]) == 3
+  assert all(not np.array_equal(a, b) for a, b in zip(first, _params(state)))
+  attention = state["params"]["blocks"][0]["attention"]
+  assert ("sinks" in attention) == config.sinks
