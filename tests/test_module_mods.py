@@ -105,6 +105,7 @@ def test_sinks_parameter_gets_a_gradient():
   assert float(jnp.abs(grads.sinks[...]).max()) > 0
 
 
+@pytest.mark.thorough  # in CI: tests/test_decode.py's config test (jitted, vs float64 too)
 def test_transformer_gemma2_style_config_decodes_like_its_full_pass():
   """logit_soft_cap, sinks and alternating sliding-window/global layers: the layers
   differ (window 2 vs global), and decoding equals the full pass."""
