@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
-from jattn._src.kernels.tile_classes import tile_classes
+from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
 from jattn._src.kernels.kernel_vjp import batched, with_batch
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL
 
@@ -231,15 +231,7 @@ def _logits(p: Plan, r: _Reads, b, n, i, j, q, k, *, full, with_vjp=False):
       d_score = lambda ds: (lambda g: (g[0], g[1:], flats))(vjp(ds))
     else:
       s = score(s)[0]
-  keep = None
-
-  def both(a, c):
-    return c if a is None else a & c
-
-  if p.S_padded != p.S:
-    keep = both(keep, s_pos < p.S)
-  if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
-    keep = both(keep, t_pos < p.T)
+  keep = tile_keep(p, t_pos, s_pos, t_pos, s_pos, full)  # no offsets on GPU yet
   if r.q_len is not None:
     keep = both(keep, t_pos < r.q_len[b])
   if r.kv_len is not None:
@@ -248,11 +240,6 @@ def _logits(p: Plan, r: _Reads, b, n, i, j, q, k, *, full, with_vjp=False):
     q_ids = r.ids[0][b, pl.ds(i * bq, bq)]
     kv_ids = r.ids[1][b, pl.ds(j * bk, bk)]
     keep = both(keep, q_ids[:, None] == kv_ids[None, :])
-  if p.is_causal and not full:
-    keep = both(keep, s_pos <= t_pos)
-  if p.window is not None and not full:
-    left, right = p.window
-    keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
   if tm.mask_jaxpr is not None and not full:
     mm = tile_mods.evaluate(tm.mask_jaxpr, tm.mask_meta, r.read(r.mask_consts, tm.mask_meta),
                             [b, n, t_pos, s_pos], tile, positions={2: "t", 3: "s"},

@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
-from jattn._src.kernels.tile_classes import tile_classes
+from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL
 
@@ -206,20 +206,7 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
         d_score = lambda ds: vjp(ds)[0]
     else:
       s = score(s)[0]
-  keep = None
-
-  def both(a, c):
-    return c if a is None else a & c
-
-  if p.S_padded != p.S:
-    keep = both(keep, s_loc < p.S)
-  if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
-    keep = both(keep, t_loc < p.T)
-  if p.is_causal and not full:
-    keep = both(keep, s_pos <= t_pos)
-  if p.window is not None and not full:
-    left, right = p.window
-    keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
+  keep = tile_keep(p, t_loc, s_loc, t_pos, s_pos, full)
   if tm.mask_jaxpr is not None and not full:
     mm = tile_mods.evaluate(tm.mask_jaxpr, tm.mask_meta, _reader(mask_refs, tm.mask_meta),
                             [b, n, t_pos, s_pos], tile, positions={2: "t", 3: "s"},

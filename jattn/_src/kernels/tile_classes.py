@@ -1,7 +1,8 @@
-"""The block classes (EMPTY / PARTIAL / FULL per (query tile, kv tile)) that drive block
-skipping in jattn's own kernels, from a plan's tiles and masks: closed forms for
-is_causal, windows and the ready-made `jattn.mods` masks, a `block_mask` made with the
-same tiles, else mask_mod evaluated block by block (`classify`), ANDed by the least class.
+"""A kernel plan's built-in masks per tile, for jattn's own kernels: the block classes
+(EMPTY / PARTIAL / FULL per (query tile, kv tile)) that drive block skipping (closed
+forms for is_causal, windows and the ready-made `jattn.mods` masks, a `block_mask`
+made with the same tiles, else mask_mod evaluated block by block (`classify`), ANDed
+by the least class), and the same masks entry by entry inside one tile (`tile_keep`).
 """
 
 from __future__ import annotations
@@ -44,3 +45,26 @@ def tile_classes(p, mods, origin=(0, 0)):
   for part in parts[1:]:  # AND of masks: the least class (EMPTY < PARTIAL < FULL)
     classes = jnp.minimum(classes, part.astype(jnp.int32))
   return classes
+
+
+def both(keep, more):
+  """keep & more, where keep None means nothing is masked yet."""
+  return more if keep is None else keep & more
+
+
+def tile_keep(p, t_loc, s_loc, t_pos, s_pos, full: bool):
+  """bool [bq, bk] (or None: nothing masked): the tile's entries that padding, is_causal
+  and the window leave visible. t_loc, s_loc: positions in the padded arrays; t_pos,
+  s_pos: global positions (the same but under `p.offsets`). full: a FULL tile, where
+  causal and window hide nothing: only the padding is masked."""
+  keep = None
+  if p.S_padded != p.S:
+    keep = both(keep, s_loc < p.S)
+  if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
+    keep = both(keep, t_loc < p.T)
+  if p.is_causal and not full:
+    keep = both(keep, s_pos <= t_pos)
+  if p.window is not None and not full:
+    left, right = p.window
+    keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
+  return keep
