@@ -18,8 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.num_kv_heads = config_dict.placeholder(int)  # K: kv heads (None: N); must divide num_heads
   config.mlp_features = 128  # E: MLP hidden width
   config.layout = "rows"  # "rows" (activations [B, T, F]) or "columns" ([B, F, T])
-  config.position_encoding = "rope"  # "rope" (rotary q and k in every layer) or "learned"
+  config.position_encoding = "rope"  # "rope" (rotary q and k in every layer), "learned" or "none"
   config.previous_token_embedding = True  # add an embedding of token t-1 at t (see README)
+  config.embed_init_std = 0.02  # standard deviation of the token embeddings at initialisation
   config.attention_pattern = ()  # per layer, cycled: None global causal, int w a window of w keys back
   config.logit_soft_cap = config_dict.placeholder(float)  # cap * tanh(logit / cap) in every layer (None: off)
   config.sinks = False  # a learned attention sink per head in every layer
@@ -33,8 +34,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.batch_size = 16  # B: examples per step, split over mesh.data devices
   config.num_steps = 1500  # training steps
   config.learning_rate = 3e-3  # AdamW peak learning rate
-  config.warmup_steps = 100  # linear warm-up to the peak, then cosine decay to 1% of it
+  config.warmup_steps = 100  # linear warm-up to the peak, then the schedule below
+  config.lr_schedule = "cosine"  # "cosine" (decay to 1% of the peak at num_steps) or "constant"
   config.weight_decay = 0.1  # AdamW decoupled weight decay
+  # training data (held-out examples are always the task above)
+  config.train_query_fraction = config_dict.placeholder(float)  # None: P queries, each key once; f: queries at f of the positions after the pairs
+  config.curriculum = ()  # ((steps, seq_len, num_kv_pairs, query_fraction or None), ...): the first steps' batches from these tasks, in order
   config.grad_clip = 1.0  # clip gradients to this global norm
   # bookkeeping
   config.log_every = 50  # steps between training metrics lines

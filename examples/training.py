@@ -29,6 +29,7 @@ from jattn import sharding
 from jattn.transformer import POSITION_ENCODINGS, Transformer, TransformerConfig
 
 LAYOUTS = ("rows", "columns")
+LR_SCHEDULES = ("cosine", "constant")
 
 
 def check_config(config) -> None:
@@ -74,6 +75,28 @@ def check_config(config) -> None:
     raise ValueError(f"config.logit_soft_cap must be None or positive, got "
                      f"{config.logit_soft_cap!r}")
   check_mesh(config)
+  if config.lr_schedule not in LR_SCHEDULES:
+    raise ValueError(f"config.lr_schedule must be one of {LR_SCHEDULES}, got "
+                     f"{config.lr_schedule!r}")
+  if not config.embed_init_std > 0:
+    raise ValueError(f"config.embed_init_std must be positive, got {config.embed_init_std!r}")
+  fraction = config.train_query_fraction
+  if fraction is not None and not 0 < fraction <= 1:
+    raise ValueError(f"config.train_query_fraction must be None or in (0, 1], got {fraction!r}")
+  for phase in config.curriculum:
+    ok = len(phase) == 4 and all(isinstance(n, int) and n > 0 for n in phase[:3])
+    if ok:
+      steps, seq_len, num_kv_pairs, fraction = phase
+      ok = (seq_len >= 3 * num_kv_pairs and config.vocab_size // 2 - 1 >= num_kv_pairs
+            and (fraction is None or 0 < fraction <= 1))
+    if not ok:
+      raise ValueError(f"config.curriculum entries must be (steps, seq_len, num_kv_pairs, "
+                       f"query_fraction): positive ints with seq_len >= 3 * num_kv_pairs "
+                       f"and num_kv_pairs < vocab_size / 2, and None or a fraction in "
+                       f"(0, 1], got {tuple(phase)!r}")
+    if config.position_encoding == "learned" and seq_len > config.seq_len:
+      raise ValueError(f"config.curriculum: seq_len {seq_len} is longer than "
+                       f"config.seq_len ({config.seq_len}), the learned positions' table")
   if not config.learning_rate > 0:
     raise ValueError(f"config.learning_rate must be positive, got {config.learning_rate!r}")
   if config.warmup_steps < 0 or config.warmup_steps >= config.num_steps:
@@ -141,14 +164,18 @@ def model_config(config, *, for_weights: bool = False) -> TransformerConfig:
       implementation="ring" if ring else config.implementation,
       position_encoding=config.position_encoding,
       previous_token_embedding=config.previous_token_embedding,
+      embed_init_std=config.embed_init_std,
       attention_pattern=tuple(config.attention_pattern),
       logit_soft_cap=config.logit_soft_cap, sinks=config.sinks)
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
-      decay_steps=config.num_steps, end_value=0.01 * config.learning_rate)
+  if config.lr_schedule == "constant":
+    schedule = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+  else:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+        decay_steps=config.num_steps, end_value=0.01 * config.learning_rate)
   return optax.chain(
       optax.clip_by_global_norm(config.grad_clip),
       optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=config.weight_decay))

@@ -22,7 +22,7 @@ import jattn.nnx
 from jattn import mods
 from jattn.rope import DEFAULT_BASE, rope_heads
 
-POSITION_ENCODINGS = ("learned", "rope")
+POSITION_ENCODINGS = ("learned", "rope", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +44,12 @@ class TransformerConfig:
   implementation: str | None = None
   dropout_rate: float = 0.0
   dtype: jnp.dtype | None = None
-  position_encoding: str = "learned"  # "learned" (added to the embeddings) or "rope"
+  # "learned" (added to the embeddings), "rope", or "none" (NoPE: only the causal
+  # mask and any windows tell positions apart)
+  position_encoding: str = "learned"
   rope_base: float = DEFAULT_BASE
   previous_token_embedding: bool = False  # add an embedding of token t-1 at t
+  embed_init_std: float = 0.02  # token (and previous-token) embeddings at initialisation
   logit_soft_cap: float | None = None  # cap * tanh(logit / cap) in every layer (Gemma 2)
   sinks: bool = False  # a learned attention sink per head in every layer (gpt-oss)
   # Per layer, cycled over the layers: None for global causal attention, an int w
@@ -226,10 +229,11 @@ class Transformer(nnx.Module):
                        f"got {config.position_encoding!r}")
     self.config = config
     embed_init = nnx.initializers.normal(0.02)
+    token_init = nnx.initializers.normal(config.embed_init_std)
     self.token_embed = nnx.Embed(config.vocab_size, config.features,
-                                 embedding_init=embed_init, rngs=rngs)
+                                 embedding_init=token_init, rngs=rngs)
     self.previous_embed = (nnx.Embed(config.vocab_size, config.features,
-                                     embedding_init=embed_init, rngs=rngs)
+                                     embedding_init=token_init, rngs=rngs)
                            if config.previous_token_embedding else nnx.data(None))
     self.last_token = nnx.data(None)
     self.position_embed = (

@@ -74,6 +74,57 @@ def test_data_is_a_function_of_seed_and_step_and_answers_are_recallable():
     assert (rest == mqar_data.FILLER).all() and mqar_data.FILLER not in pairs
 
 
+def _check_recallable(tokens, positions, answers, P, every_key_once):
+  """Independent of mqar_data: the pairs from the first 2P tokens, each query a key
+  of them answered by its value, every other token after the pairs the filler."""
+  pairs = dict(zip(tokens[0:2 * P:2], tokens[1:2 * P:2]))
+  assert len(pairs) == P and mqar_data.FILLER not in pairs  # distinct keys
+  assert len(set(positions)) == len(positions) and positions.min() >= 2 * P
+  assert [pairs[k] for k in tokens[positions]] == list(answers)
+  if every_key_once:
+    assert sorted(tokens[positions]) == sorted(pairs)
+  rest = np.delete(tokens[2 * P:], positions - 2 * P)
+  assert (rest == mqar_data.FILLER).all()
+
+
+def test_curriculum_and_query_fraction_shape_training_batches_only():
+  config = tiny.get_config()  # T = 16, P = 4
+  held_out = mqar_data.held_out(config)
+  config.train_query_fraction = 0.5
+  config.curriculum = ((2, 8, 2, 1.0), (1, 12, 3, None))
+  for step, (T, P, Q) in enumerate([(8, 2, 4), (8, 2, 4), (12, 3, 3), (16, 4, 4), (16, 4, 4)]):
+    batch = mqar_data.train_batch(config, step)
+    assert batch["tokens"].shape == (8, T) and batch["positions"].shape == (8, Q), step
+    for tokens, positions, answers in zip(batch["tokens"], batch["positions"], batch["answers"]):
+      _check_recallable(tokens, positions, answers, P, every_key_once=(step == 2))
+  config.seq_len, config.num_kv_pairs = 40, 4  # 32 places after the pairs: 16 queries
+  assert mqar_data.train_batch(config, 5)["positions"].shape == (8, 16)
+  # a key may be asked twice at fraction 0.5 (16 queries, 4 keys)
+  assert len(set(mqar_data.train_batch(config, 5)["tokens"][0, 8:]) - {0}) <= 4
+  for k, v in mqar_data.held_out(tiny.get_config()).items():
+    np.testing.assert_array_equal(v, held_out[k])  # held-out examples never change
+
+
+def test_constant_schedule_keeps_the_peak_learning_rate():
+  """With a constant gradient, an Adam step is -lr * (1 - tiny) at every step (bias-
+  corrected moments are both the gradient's): so the last update reads the rate."""
+  import optax
+  config = tiny.get_config()
+  config.num_steps, config.warmup_steps, config.weight_decay = 10, 2, 0.0
+  last = {}
+  for schedule in ("constant", "cosine"):
+    config.lr_schedule = schedule
+    tx = training.make_optimizer(config)
+    params = {"w": np.zeros(3, np.float32)}
+    state = tx.init(params)
+    for _ in range(10):
+      with jax.numpy_dtype_promotion("standard"):  # as make_train_step: optax's int counts
+        updates, state = tx.update({"w": np.full(3, 0.5, np.float32)}, state, params)
+    last[schedule] = -float(updates["w"][0])
+  np.testing.assert_allclose(last["constant"], config.learning_rate, rtol=1e-4)
+  assert last["cosine"] < 0.1 * config.learning_rate  # decayed near its end
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("num_steps", 0, "config.num_steps must be a positive int"),
     ("batch_size", -4, "config.batch_size must be a positive int"),
@@ -87,6 +138,12 @@ def test_data_is_a_function_of_seed_and_step_and_answers_are_recallable():
     ("logit_soft_cap", -1.0, "config.logit_soft_cap must be None or positive, got -1.0"),
     ("mesh.seq", 2, r"config.mesh data x model x seq = -1 x 1 x 2 must use all 1 devices"),
     ("mesh.data", 2, r"config.mesh data x model x seq = 2 x 1 x 1 must use all 1 devices"),
+    ("lr_schedule", "linear", "config.lr_schedule must be one of"),
+    ("embed_init_std", 0.0, "config.embed_init_std must be positive, got 0.0"),
+    ("train_query_fraction", 1.5, r"config.train_query_fraction must be None or in \(0, 1\]"),
+    ("curriculum", ((10, 8, 3, None),), r"config.curriculum entries must be .*got \(10, 8, 3, None\)"),
+    ("curriculum", ((10, 8, 2),), r"config.curriculum entries must be .*got \(10, 8, 2\)"),
+    ("curriculum", ((10, 8, 2, 0.0),), r"config.curriculum entries must be .*got \(10, 8, 2, 0.0\)"),
 ])
 def test_bad_config_fails_at_start_and_writes_nothing(tmp_path, field, value, message):
   config = tiny.get_config()
@@ -166,11 +223,15 @@ def test_new_configs_train_a_few_steps_with_one_layer(name):
   for field in _SHRUNK:
     config[field] = small[field]
   config.num_layers, config.num_steps = 1, 3
+  if config.curriculum:  # one step of a shorter task, then the config's own
+    config.curriculum = ((1, small.seq_len // 2, small.num_kv_pairs // 2,
+                          config.curriculum[0][3]),)
   training.check_config(config)
   model = training.model_config(config)
   assert model.attention_pattern == tuple(config.attention_pattern)
   assert (model.logit_soft_cap, model.sinks) == (config.logit_soft_cap, config.sinks)
   assert model.previous_token_embedding == config.previous_token_embedding
+  assert model.embed_init_std == config.embed_init_std
   graphdef, tx, state = training.create_state(config)
   first = [np.array(x) for x in _params(state)]  # copies: the state is donated
   train_step = jax.jit(training.make_train_step(graphdef, tx), donate_argnums=0)

@@ -102,6 +102,9 @@ CONFIGS = {
                                       num_kv_heads=2, previous_token_embedding=True),
     "learned_previous_mqa_blockwise": dict(num_kv_heads=1, previous_token_embedding=True,
                                            implementation="blockwise"),
+    # no positions at all (NoPE) but a window of 1 key back in layer 0; embeddings std 1
+    "none_rows_window": dict(position_encoding="none", attention_pattern=(1, None),
+                             embed_init_std=1.0),
     # layer 0 a window of 2 keys back, layer 1 global; capped logits; sinks
     "rope_rows_gqa_window_softcap_sinks": dict(
         position_encoding="rope", num_kv_heads=2, rope_base=100.0,
