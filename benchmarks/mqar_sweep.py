@@ -58,6 +58,19 @@ RECIPES = {
     # token's own identity is not drowned by the first layer's output (a hypothesis)
     "rope_F64_N2_embed1_lr3e-3": dict(_embed_std=1.0),
     "rope_local1_global_embed1_lr3e-3": dict(attention_pattern=(1, None), _embed_std=1.0),
+    # no position encoding (NoPE): the global layer matches a query against the keys
+    # with all H dimensions of q and k (rotary leaves only its slowest pairs for that
+    # across 256 positions); positions come from the causal mask and the window alone
+    "nope_local1_global_lr3e-3": dict(position_encoding="none", attention_pattern=(1, None)),
+    "nope_local1_global_lr1e-3": dict(position_encoding="none", attention_pattern=(1, None),
+                                      learning_rate=1e-3),
+    "nope_F64_N2_lr3e-3": dict(position_encoding="none"),
+    # the short task (T = 64, 8 pairs): does attention alone learn it at all here?
+    "short_nope_local1_global_lr3e-3": dict(position_encoding="none", attention_pattern=(1, None),
+                                            seq_len=64, num_kv_pairs=8),
+    "short_rope_F64_N2_lr3e-3": dict(seq_len=64, num_kv_pairs=8),
+    "nope_local1_global_N1_lr3e-3": dict(position_encoding="none", attention_pattern=(1, None),
+                                         num_heads=1),
     # every block's attention and MLP output projections scaled by 0.1 at init: the
     # residual stream starts as the embeddings (another hypothesis)
     "rope_F64_N4_out0.1_lr3e-3": dict(num_heads=4, _out_scale=0.1),

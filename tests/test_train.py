@@ -108,7 +108,6 @@ def test_curriculum_and_query_fraction_shape_training_batches_only():
 def test_constant_schedule_keeps_the_peak_learning_rate():
   """With a constant gradient, an Adam step is -lr * (1 - tiny) at every step (bias-
   corrected moments are both the gradient's): so the last update reads the rate."""
-  import optax
   config = tiny.get_config()
   config.num_steps, config.warmup_steps, config.weight_decay = 10, 2, 0.0
   last = {}
