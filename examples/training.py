@@ -154,14 +154,15 @@ def make_mesh(config) -> jax.sharding.Mesh:
 
 def model_config(config, *, for_weights: bool = False) -> TransformerConfig:
   """The Transformer of `config`; for_weights: one whose attention forms the
-  weights (for plots), where training would run a ring."""
+  weights (for plots): implementation None (it picks one that forms them), where
+  training would run a ring or a config names one that never does ("blockwise")."""
   ring = config.mesh.seq > 1 and not for_weights
   return TransformerConfig(
       vocab_size=config.vocab_size, max_len=config.seq_len,
       num_layers=config.num_layers, features=config.features,
       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
       mlp_features=config.mlp_features, layout=config.layout,
-      implementation="ring" if ring else config.implementation,
+      implementation=None if for_weights else "ring" if ring else config.implementation,
       position_encoding=config.position_encoding,
       previous_token_embedding=config.previous_token_embedding,
       embed_init_std=config.embed_init_std,

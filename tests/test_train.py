@@ -74,6 +74,19 @@ def test_data_is_a_function_of_seed_and_step_and_answers_are_recallable():
     assert (rest == mqar_data.FILLER).all() and mqar_data.FILLER not in pairs
 
 
+def test_attention_plot_of_a_blockwise_config(tmp_path):
+  """The end-of-run plot sows the weights, which implementation="blockwise" never
+  forms: the plotting model must not take the config's implementation."""
+  import plots
+  from flax import nnx
+  from jattn.transformer import Transformer
+  config = tiny.get_config()
+  config.implementation = "blockwise"
+  model = Transformer(training.model_config(config, for_weights=True), rngs=nnx.Rngs(0))
+  plots.attention(tmp_path / "attention.png", model, mqar_data.held_out(config))
+  assert (tmp_path / "attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _check_recallable(tokens, positions, answers, P, every_key_once):
   """Independent of mqar_data: the pairs from the first 2P tokens, each query a key
   of them answered by its value, every other token after the pairs the filler."""
