@@ -32,6 +32,9 @@ import mqar_data  # noqa: E402
 import training  # noqa: E402
 from configs import mqar  # noqa: E402
 
+_CURRICULUM = dict(curriculum=((3000, 64, 8, 1.0),), embed_init_std=1.0, learning_rate=1e-3,
+                   lr_schedule="constant", warmup_steps=1, weight_decay=0.0, grad_clip=1e9)
+
 # name -> overrides of configs/mqar.py (previous_token_embedding is always False)
 RECIPES = {
     "rope_F64_N2_lr3e-3": dict(),
@@ -62,15 +65,24 @@ RECIPES = {
     # with all H dimensions of q and k (rotary leaves only its slowest pairs for that
     # across 256 positions); positions come from the causal mask and the window alone
     "nope_local1_global_lr3e-3": dict(position_encoding="none", attention_pattern=(1, None)),
-    "nope_local1_global_lr1e-3": dict(position_encoding="none", attention_pattern=(1, None),
-                                      learning_rate=1e-3),
-    "nope_F64_N2_lr3e-3": dict(position_encoding="none"),
     # the short task (T = 64, 8 pairs): does attention alone learn it at all here?
     "short_nope_local1_global_lr3e-3": dict(position_encoding="none", attention_pattern=(1, None),
                                             seq_len=64, num_kv_pairs=8),
     "short_rope_F64_N2_lr3e-3": dict(seq_len=64, num_kv_pairs=8),
-    "nope_local1_global_N1_lr3e-3": dict(position_encoding="none", attention_pattern=(1, None),
-                                         num_heads=1),
+    # The recipe of configs/mqar_attention_only.py and one change each. A short task
+    # (T = 64, 8 pairs) with a query at every position after the pairs for 3000 steps,
+    # then the task itself; constant rate, no decay or clipping, embeddings std 1.
+    "curriculum_e1_const": dict(_CURRICULUM),
+    "curriculum_e1_cosine": dict(_CURRICULUM, lr_schedule="cosine"),
+    "curriculum_e0.02_const": dict(_CURRICULUM, embed_init_std=0.02),
+    "curriculum_sparse_e1_const": dict(_CURRICULUM, curriculum=((3000, 64, 8, None),)),
+    "no_curriculum_e1_const": dict(_CURRICULUM, curriculum=()),
+    # the curriculum's first phase as a task of its own (held-out: T = 64, 8 pairs)
+    "short_dense_e1_const": dict(_CURRICULUM, curriculum=(), seq_len=64, num_kv_pairs=8,
+                                 train_query_fraction=1.0),
+    "short_sparse_e1_const": dict(_CURRICULUM, curriculum=(), seq_len=64, num_kv_pairs=8),
+    "short_dense_e0.02_const": dict(_CURRICULUM, curriculum=(), seq_len=64, num_kv_pairs=8,
+                                    train_query_fraction=1.0, embed_init_std=0.02),
     # every block's attention and MLP output projections scaled by 0.1 at init: the
     # residual stream starts as the embeddings (another hypothesis)
     "rope_F64_N4_out0.1_lr3e-3": dict(num_heads=4, _out_scale=0.1),
@@ -176,7 +188,7 @@ def plot(results, path):
   for ax in (acc, loss):
     ax.set_xlabel("training step")
   loss.legend(fontsize=7)
-  fig.suptitle("MQAR (V=512, T=256, 32 pairs), attention only")
+  fig.suptitle("MQAR (V=512, T=256, 32 pairs; short_ recipes: T=64, 8 pairs), attention only")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
