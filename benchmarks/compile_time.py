@@ -8,6 +8,7 @@ None compiled to on CPU before the choice moved to lowering. For
 (jax's and splash's), in one process, and the ratio printed:
 
     python benchmarks/compile_time.py [--lengths 4096 32768] [--repeats 3]
+    python benchmarks/compile_time.py --train-step   # the MQAR model's whole step instead
 
 Nothing is executed: the arrays are `jax.ShapeDtypeStruct`s.
 """
@@ -57,6 +58,32 @@ def time_once(T: int, implementation, B=1, N=8, H=128) -> dict:
   return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
 
 
+def time_train_step(implementation) -> dict:
+  """The same for the default MQAR config's jitted training step (two layers of
+  attention, MLPs, AdamW), with `implementation` in every layer."""
+  import pathlib
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  sys.path[:0] = [str(root), str(root / "examples")]
+  import mqar_data
+  import training
+  from configs import mqar
+  config = mqar.get_config()
+  config.implementation = implementation
+  _clear_caches()
+  graphdef, tx, state = training.create_state(config)
+  step = jax.jit(training.make_train_step(graphdef, tx))
+  batch = mqar_data.train_batch(config, 0)
+  t0 = time.perf_counter()
+  traced = step.trace(state, batch)
+  t1 = time.perf_counter()
+  lowered = traced.lower(lowering_platforms=("cpu",))
+  t2 = time.perf_counter()
+  lowered.compile()
+  t3 = time.perf_counter()
+  return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
+
+
 def cpu_model() -> str:
   try:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -70,16 +97,19 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--train-step", action="store_true",
+                      help="time the MQAR training step (configs/mqar.py, T = 256) instead")
   args = parser.parse_args()
   print(f"jax {jax.__version__}, {cpu_model()}; median of {args.repeats} cold runs, seconds")
   print(f"{'T':>6} {'program':<22} {'trace':>7} {'lower':>7} {'compile':>8} {'total':>7} "
         f"{'vs CPU-only':>11}")
-  for T in args.lengths:
-    programs = (("CPU only (blockwise)", "blockwise"), ("None (every platform)", None))
+  programs = (("CPU only (blockwise)", "blockwise"), ("None (every platform)", None))
+  for T in (["step"] if args.train_step else args.lengths):
     runs = {name: [] for name, _ in programs}
     for _ in range(args.repeats):  # interleaved, so load drifts hit both alike
       for name, implementation in programs:
-        runs[name].append(time_once(T, implementation))
+        runs[name].append(time_train_step(implementation) if args.train_step
+                          else time_once(T, implementation))
     medians = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
                for name, rs in runs.items()}
     base = medians["CPU only (blockwise)"]["total"]
