@@ -223,7 +223,8 @@ _SHRUNK = ("vocab_size", "seq_len", "num_kv_pairs", "features", "num_heads", "ml
            "batch_size", "warmup_steps")
 
 
-@pytest.mark.parametrize("name", ["mqar_gemma2_style", "mqar_attention_only"])
+@pytest.mark.parametrize("name", ["mqar_gemma2_style", "mqar_attention_only",
+                                  "mqar_long_context"])
 def test_new_configs_train_a_few_steps_with_one_layer(name):
   """Each config of the training page, shrunk to tiny's sizes and one layer, keeps its
   own options (windows, cap, sinks, positions) and its pure train_step runs 3 steps
@@ -244,6 +245,7 @@ def test_new_configs_train_a_few_steps_with_one_layer(name):
   assert (model.logit_soft_cap, model.sinks) == (config.logit_soft_cap, config.sinks)
   assert model.previous_token_embedding == config.previous_token_embedding
   assert model.embed_init_std == config.embed_init_std
+  assert model.implementation == config.implementation
   graphdef, tx, state = training.create_state(config)
   first = [np.array(x) for x in _params(state)]  # copies: the state is donated
   train_step = jax.jit(training.make_train_step(graphdef, tx), donate_argnums=0)
