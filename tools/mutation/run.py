@@ -78,6 +78,9 @@ TARGETS = {
     "jattn/_src/masks/block_mask.py": "tests/test_block_mask.py tests/test_closed_form_blocks.py "
                             "tests/test_mods.py -k 'not vmap and not xla'",
     "jattn/_src/impl/ring_loop.py": "tests/test_ring.py tests/test_ring_mods.py",
+    # fourth round (issue 21 item 8)
+    "jattn/mods.py": "tests/test_mods_entries.py tests/test_mods.py::test_mask_mods_match_reference "
+                     "tests/test_mods.py::test_score_mods_match_reference -k 'not blockwise and not vmap'",
 }
 
 # Everything but the hand-planted kinds of bug (cosmic-ray also swaps + for **, <<,
