@@ -51,8 +51,8 @@ def evaluate(expr: tuple, t, s):
   if kind == "full":
     return (t >= 0) & (s >= 0)
   parts = [evaluate(e, t, s) for e in expr[1:]]
-  if not parts:
-    return (t >= 0) & (s >= 0)
+  if not parts:  # and of nothing: every key; or of nothing: none (as mods.and_masks / or_masks)
+    return ((t >= 0) & (s >= 0)) if kind == "and" else ((t < 0) & (s < 0))
   out = parts[0]
   for p in parts[1:]:
     out = (out & p) if kind == "and" else (out | p)
