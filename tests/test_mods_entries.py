@@ -117,16 +117,18 @@ def test_constructors_refuse_bad_parameters():
   for slopes in (np.ones((2, 2), np.float32), np.float32(1.0)):
     with raises(ValueError, r"alibi: slopes must be \[N\]"):
       mods.alibi(slopes)
-  for shape in ((4, 6), (7,), (2, 3, 5)):
+  for shape in ((4, 6), (4, 4), (7,), (2, 3, 5)):
     with raises(ValueError, r"relative_bias: table must be \[N, 2M \+ 1\]", str(shape)):
       mods.relative_bias(np.zeros(shape, np.float32))
-  mods.relative_bias(np.zeros((2, 1), np.float32))  # M = 0: the bias of distance 0 only
+  for width in (1, 3, 5, 9):  # M = 0 (the bias of distance 0 only), 1, 2, 4
+    mods.relative_bias(np.zeros((2, width), np.float32))
 
 
 def test_parameters_are_kept_as_given():
   assert (mods.sliding_window(5, 1).left, mods.sliding_window(5, 1).right) == (5, 1)
   assert mods.sliding_window(5).right == 0
   assert mods.chunked(7).size == 7
+  assert mods.SlidingWindow(5).right == 0  # the public class's own default, as sliding_window's
 
 
 def test_ready_made_mods_are_frozen_and_hashable():
@@ -139,6 +141,7 @@ def test_ready_made_mods_are_frozen_and_hashable():
   assert mods.or_masks(mods.causal()) == mods.or_masks(mods.causal())
   assert len({mods.sliding_window(3, 1), mods.sliding_window(3, 1), mods.chunked(2)}) == 2
   with_arrays = [mods.prefix_lm(PREFIX), mods.document(IDS_Q, IDS_KV), mods.soft_cap(0.5),
+                 mods.soft_cap(jnp.float32(0.5)), mods.soft_cap(jnp.float32(0.5)),
                  mods.alibi(SLOPES), mods.relative_bias(TABLE)]
   assert len(set(with_arrays)) == len(with_arrays)
   every = [mods.causal(), mods.sliding_window(1), mods.chunked(2), mods.and_masks(),
