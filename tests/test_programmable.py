@@ -153,3 +153,16 @@ def test_gradients_cast_to_the_primal_dtypes():
   assert d.mask_consts == (None,) * len(m.mask_consts) and len(m.mask_consts) >= 1
   assert d.mask_mod is None and d.block_mask is None
   assert m.without_score_consts().score_consts == ()
+
+
+def test_a_block_mask_alone_brings_the_mask_it_was_made_from():
+  import jattn
+  bm = jattn.create_block_mask(lambda b, n, t, s: s <= t - 1, None, None, 8, 8,
+                               block_sizes=jattn.BlockSizes(q=4, kv=4))
+  m = P.build_mods(None, None, None, bm, N=2)
+  assert m.has_mask and m.block_mask is bm and m.mask_jaxpr is bm.mask_jaxpr
+  entry = lambda t, s: bool(m.mask(jnp.int32(0), jnp.int32(0), jnp.int32(t), jnp.int32(s)))
+  assert entry(5, 4) and not entry(5, 5) and not entry(5, 6)
+  # a mask_mod given too is the one evaluated
+  m = P.build_mods(lambda b, n, t, s: s >= t, None, None, bm, N=2)
+  assert m.mask_jaxpr is not bm.mask_jaxpr and entry(5, 6) and not entry(5, 4)
