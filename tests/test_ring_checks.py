@@ -174,3 +174,33 @@ def test_explain_reports_each_platforms_step():
   assert cpu.implementation == "ring" and cpu.plan.implementation == "blockwise"
   assert cpu.passed_over == ()  # the TPU kernel is not tried on CPU
   assert str(cpu.plan).startswith("each step runs blockwise: ")
+
+
+@pytest.mark.thorough  # 8 s (four compilations); on 8 devices: test_ring.py's sharding quick set
+def test_explicit_axes_keep_the_querys_sharding():
+  """On a mesh of Explicit axes (jax.make_mesh's default; one device here) the output
+  comes back sharded as the query (D unsharded), the lse as the query without H;
+  an input sharded over an axis the mesh lacks is refused, naming it."""
+  from jax.sharding import NamedSharding, PartitionSpec as Spec
+  mesh = jax.make_mesh((1, 1), ("data", "seq"))
+  q = np.asarray(Q[:, :, :2])  # [B, T, 2, H]: self-attention, 2 heads
+  want = reference_mods(q, q, q)[0]
+  for spec, out_spec, lse_spec in (
+      (Spec(None, "seq", None, None), Spec(None, "seq", None, None), Spec(None, "seq", None)),
+      (Spec("data", None, "seq", None), Spec("data", None, "seq", None), Spec("data", None, "seq")),
+      (Spec(("data", "seq"), None, None, None), Spec(("data", "seq"), None, None, None),
+       Spec(("data", "seq"), None, None)),
+      (Spec(None, None, None, "seq"), Spec(None, None, None, None), Spec(None, None, None))):
+    with jax.set_mesh(mesh):
+      x = jax.device_put(q, NamedSharding(mesh, spec))
+      out, lse = jattn.ring_attention(x, x, x, mesh=mesh, return_residual=True)
+    assert jax.typeof(out).sharding.spec == out_spec, spec
+    assert jax.typeof(lse).sharding.spec == lse_spec, spec
+    np.testing.assert_allclose(out, want, **TOL)
+  other = jax.make_mesh((1,), ("x",))
+  x = jax.device_put(q, NamedSharding(other, Spec("x")))
+  with raises(ValueError, "query float32", "is sharded over mesh axis 'x'", "{'data': 1, 'seq': 1}"):
+    jattn.ring_attention(x, x, x, mesh=mesh)
+  with raises(ValueError, "key float32", "is sharded over mesh axis 'x'"):
+    jattn.ring_attention(q, x, q, mesh=jax.make_mesh((1,), ("seq",), axis_types=(
+        jax.sharding.AxisType.Auto,)))
