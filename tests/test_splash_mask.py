@@ -105,12 +105,31 @@ def test_the_splash_mask_outside_whole_blocks():
   mask = splash_mask(expr, 16, 16)
   dense = np.arange(16)[None, :] <= np.arange(16)[:, None]
   full, empty, partial = mask[8:16, 0:8], mask[0:8, 8:16], mask[4:12, 4:12]
-  np.testing.assert_array_equal(full.any(axis=0), np.ones(8, bool))
-  np.testing.assert_array_equal(empty.all(axis=1), np.zeros(8, bool))
+  for got, want in ((full.any(axis=0), np.ones(8, bool)), (full.any(0), np.ones(8, bool)),
+                    (empty.all(axis=1), np.zeros(8, bool)), (empty.all(1), np.zeros(8, bool)),
+                    (empty.any(1, keepdims=True), np.zeros((8, 1), bool))):
+    assert np.shape(got) == want.shape  # an axis asked for: one value per row or column
+    np.testing.assert_array_equal(got, want)
   np.testing.assert_array_equal(full.all(axis=(0, 1)), True)
   assert bool(full.all()) and not bool(empty.any()) and full.shape == empty.shape == (8, 8)
+  one_full, one_empty = mask[5:6, 2:3], mask[2:3, 5:6]  # blocks of one entry
+  assert bool(one_full.all()) and bool(one_full.any()) and one_full.shape == (1, 1)
+  assert not bool(one_empty.any()) and not bool(one_empty.all())
   np.testing.assert_array_equal(partial, dense[4:12, 4:12])
   np.testing.assert_array_equal(mask[12:20, 0:4], dense[12:16, 0:4])  # clipped to T
   np.testing.assert_array_equal(mask[:, :], dense)
   assert mask.shape == (16, 16)
   assert mask != ("causal",) and mask != splash_mask(expr, 16, 8)
+
+
+@pytest.mark.parametrize("T,S", [(4, 8), (8, 4)])
+def test_the_splash_mask_when_t_and_s_differ(T, S):
+  """Open slices run to T on the query axis and to S on the key axis."""
+  for expr in (("full",), ("causal",), ("local", 3, 0)):
+    mask = splash_mask(expr, T, S)
+    dense = np.broadcast_to(BY_HAND[expr](np.arange(T)[:, None], np.arange(S)[None, :]), (T, S))
+    for t, s in ((slice(None), slice(None)), (slice(2, None), slice(1, None)),
+                 (slice(0, T), slice(0, S))):
+      block = mask[t, s]
+      assert np.shape(block) == dense[t, s].shape, (expr, t, s)
+      np.testing.assert_array_equal(block, dense[t, s])
