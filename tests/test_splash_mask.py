@@ -133,3 +133,11 @@ def test_the_splash_mask_when_t_and_s_differ(T, S):
       block = mask[t, s]
       assert np.shape(block) == dense[t, s].shape, (expr, t, s)
       np.testing.assert_array_equal(block, dense[t, s])
+
+
+def test_the_splash_mask_takes_only_slices():
+  """As splash's own computable masks: an index that is not two slices is refused."""
+  mask = splash_mask(("causal",), 8, 8)
+  for idx in ((3, slice(0, 4)), (slice(0, 4), 3), (3, 3)):
+    with pytest.raises(NotImplementedError):
+      mask[idx]
