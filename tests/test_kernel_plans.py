@@ -244,3 +244,22 @@ def test_pallas_refusals(name):
   kw, reason = PALLAS_REFUSES[name]
   got = pallas(**kw)
   assert isinstance(got, str) and reason in got, got
+
+
+def test_plans_are_hashable_values():
+  """A plan is a jit static: equal plans hash equal."""
+  a, b = splash(is_causal=True), splash(is_causal=True)
+  assert a == b and hash(a) == hash(b) and a is not b
+  a, b = pallas(is_causal=True), pallas(is_causal=True)
+  assert a == b and hash(a) == hash(b) and a is not b
+
+
+def test_find_document():
+  from jattn._src.impl.kernel_plans import find_document
+  doc = mods.document(IDS)
+  assert find_document(doc) is doc
+  assert find_document(mods.and_masks(mods.causal(), doc)) is doc
+  assert find_document(mods.and_masks(mods.causal(), mods.and_masks(mods.chunked(4), doc))) is doc
+  assert find_document(mods.causal()) is None
+  assert find_document(mods.and_masks(mods.causal(), mods.chunked(4))) is None
+  assert find_document(mods.or_masks(mods.causal(), doc)) is None  # only at the top or under and
