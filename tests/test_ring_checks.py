@@ -204,3 +204,46 @@ def test_explicit_axes_keep_the_querys_sharding():
   with raises(ValueError, "key float32", "is sharded over mesh axis 'x'"):
     jattn.ring_attention(q, x, q, mesh=jax.make_mesh((1,), ("seq",), axis_types=(
         jax.sharding.AxisType.Auto,)))
+
+
+def test_explain_ring_steps_on_an_abstract_mesh():
+  """What each ring step runs, traced on shapes alone over data x seq x model = 2 x 2 x 2:
+  one device's step is B / 2 rows, N / 2 and K / 2 heads, T / 2 queries against S / 2 keys
+  (halved again by the zig-zag order); blockwise on CPU with block sizes clipped to one
+  device's T / 2 and S / 2; the TPU kernel on TPU, or blockwise with its reason."""
+  from jattn._src.impl.interpret import pallas_interpret
+  sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  q, k, v = sd(4, 32, 4, 8), sd(4, 48, 2, 8), sd(4, 48, 2, 16)
+
+  def steps(**kw):
+    mesh = abstract(data=2, seq=2, model=2)
+    with jattn.explain_calls() as reports:
+      jax.eval_shape(lambda q, k, v: jattn.ring_attention(
+          q, k, v, mesh=mesh, batch_axis_name="data", head_axis_name="model", **kw), q, k, v)
+    return {p: reports[0].choices[p] for p in ("cpu", "tpu", "cuda")}
+
+  got = steps(is_causal=True)
+  assert got["cpu"].plan == type(got["cpu"].plan)("blockwise", jattn.BlockSizes(q=16, kv=24))
+  assert got["cuda"].plan.implementation == "blockwise" and got["cuda"].passed_over == ()
+  tpu = got["tpu"].plan
+  assert tpu.implementation == "flex_tpu" and got["tpu"].passed_over == ()
+  kernel = tpu.plan
+  dims = (kernel.B, kernel.T, kernel.S, kernel.N, kernel.K, kernel.H, kernel.D)
+  assert dims == (2, 8, 12, 2, 1, 8, 16) and all(type(x) is int for x in dims)
+  assert kernel.is_causal and kernel.offsets and str(tpu).startswith("each step runs flex_tpu: ")
+  kernel = steps(is_causal=True, load_balance=False)["tpu"].plan.plan  # one chunk per device
+  assert (kernel.T, kernel.S) == (16, 24)
+  kernel = steps(block_sizes=jattn.BlockSizes(q=16, kv=128))["tpu"].plan.plan  # its tiles
+  assert (kernel.T, kernel.S, kernel.block_q, kernel.block_kv) == (16, 24, 16, 128)
+  got = steps(block_sizes=jattn.BlockSizes(q=8, kv=16))["tpu"]  # tiles the kernel refuses
+  assert got.plan.plan == jattn.BlockSizes(q=8, kv=16)
+  assert "block_kv of 128" in dict(got.passed_over)["flex_tpu"]
+  assert steps(block_sizes=jattn.BlockSizes(q=8, kv=64))["cpu"].plan.plan == jattn.BlockSizes(
+      q=8, kv=24)
+  ids = np.zeros((4, 32), np.int32), np.zeros((4, 48), np.int32)
+  got = steps(q_segment_ids=ids[0], kv_segment_ids=ids[1])["tpu"]
+  assert got.plan.implementation == "blockwise" and [n for n, _ in got.passed_over] == ["flex_tpu"]
+  assert got.plan.plan == jattn.BlockSizes(q=16, kv=24)
+  with pallas_interpret():  # the kernel is tried on every platform, interpreted
+    got = steps(is_causal=True)
+  assert got["cpu"].plan.implementation == "flex_tpu" and got["cpu"].plan.plan.interpret
