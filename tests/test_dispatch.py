@@ -85,3 +85,13 @@ def test_explain_calls_records_each_call_inside_the_block_only():
   with jattn.explain_calls() as inner:
     pass
   assert inner == []
+
+
+def test_a_report_is_frozen():
+  import dataclasses
+  import pytest
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
+  report = jattn.explain(q, q, q, is_causal=True)
+  for obj, field in ((report, "choices"), (report.choices["cpu"], "implementation")):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+      setattr(obj, field, None)
