@@ -38,6 +38,11 @@ def ring(q=Q, k=KEY, v=V, **kw):
 def test_mesh_must_be_a_mesh():
   with raises(TypeError, "mesh must be a jax.sharding.Mesh, got dict"):
     ring(mesh={"seq": 1})
+  # query, key and value may be named; the options are keyword-only
+  with raises(TypeError, "mesh must be a jax.sharding.Mesh, got dict"):
+    jattn.ring_attention(query=Q, key=KEY, value=V, mesh={"seq": 1})
+  with raises(TypeError, "takes 3 positional arguments but 4 were given"):
+    jattn.ring_attention(Q, KEY, V, abstract(seq=1))
 
 
 @pytest.mark.parametrize("arg", ["axis_name", "batch_axis_name", "head_axis_name"])
