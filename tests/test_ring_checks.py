@@ -253,3 +253,11 @@ def test_explain_ring_steps_on_an_abstract_mesh():
   with pallas_interpret():  # the kernel is tried on every platform, interpreted
     got = steps(is_causal=True)
   assert got["cpu"].plan.implementation == "flex_tpu" and got["cpu"].plan.plan.interpret
+
+
+def test_an_input_sharded_over_foreign_axes_is_refused_naming_the_first():
+  from jax.sharding import NamedSharding, PartitionSpec as Spec
+  other = jax.make_mesh((1, 1), ("y", "x"))
+  x = jax.device_put(Q, NamedSharding(other, Spec("y", "x")))
+  with raises(ValueError, "query float32", "is sharded over mesh axis 'x'", "{'seq': 1}"):
+    jattn.ring_attention(x, KEY, V, mesh=jax.make_mesh((1,), ("seq",)))
