@@ -245,7 +245,8 @@ def _refused_jvp(primals, tangents, *, error, avals):
 
 
 def _refused_batch(args, dims, *, error, avals):
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+  # an unmapped argument's dim is None (jax 0.10 has no batching.not_mapped any more)
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
   batched = tuple(jax.core.ShapedArray((size, *a.shape), a.dtype) for a in avals)
   return _refused_p.bind(*args, error=error, avals=batched), (0,) * len(avals)
 

@@ -52,8 +52,8 @@ TARGETS = {
     "jattn/_src/core/attend.py": "tests/test_single_head.py tests/test_dtypes.py::test_float64_stays_float64 "
                         "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
                         "-k 'not script'",
+    "jattn/_src/nn/kv_cache.py": "tests/test_kv_cache_unit.py tests/test_decode.py",
     "jattn/_src/impl/dense.py": "tests/test_dot_product_attention.py tests/test_dtypes.py -k 'dropout or reference or masked or twice'",
-    "jattn/_src/nn/kv_cache.py": "tests/test_decode.py",
     "jattn/rope.py": "tests/test_rope.py tests/test_transformer_reference.py -k 'rope or Rope'",
     "jattn/_src/masks/structural.py": "tests/test_masks.py tests/test_edges.py",
     "jattn/_src/impl/xla.py": "tests/test_dot_product_attention.py tests/test_mods.py::test_everything_at_once_in_order "
@@ -78,6 +78,21 @@ TARGETS = {
     "jattn/_src/masks/block_mask.py": "tests/test_block_mask.py tests/test_closed_form_blocks.py "
                             "tests/test_mods.py -k 'not vmap and not xla'",
     "jattn/_src/impl/ring_loop.py": "tests/test_ring.py tests/test_ring_mods.py",
+    # fourth round (issue 21 item 8)
+    "jattn/mods.py": "tests/test_mods_entries.py tests/test_mods.py::test_mask_mods_match_reference "
+                     "tests/test_mods.py::test_score_mods_match_reference -k 'not blockwise and not vmap'",
+    "jattn/_src/masks/programmable.py": "tests/test_programmable.py tests/test_mods.py tests/test_mod_grads.py "
+                                        "tests/test_residual_with_mods.py tests/test_mods_jit_cache.py "
+                                        "tests/test_block_mask.py::test_mask_mod_is_not_called_on_full_blocks "
+                                        "-k 'not dropout and not bfloat16 and not cudnn and not flax_module "
+                                        "and not attention_fn and not vmap'",
+    "jattn/_src/impl/splash_mask.py": "tests/test_splash_mask.py",
+    "jattn/_src/impl/kernel_plans.py": "tests/test_kernel_plans.py",
+    # in-process checks and one-device values first, then the 8-device quick sets
+    "jattn/_src/impl/ring.py": "tests/test_ring_checks.py tests/test_ring.py tests/test_ring_mods.py "
+                               "-m 'not (thorough and slow)' -k 'not every_dtype'",
+    "jattn/_src/dispatch.py": "tests/test_dispatch.py tests/test_lowering.py tests/test_mods_jit_cache.py "
+                              "-k 'not export_carries'",
 }
 
 # Everything but the hand-planted kinds of bug (cosmic-ray also swaps + for **, <<,

@@ -49,10 +49,11 @@ def evaluate(expr: tuple, t, s):
   if kind == "chunk":
     return t // expr[1] == s // expr[1]
   if kind == "full":
-    return (t >= 0) & (s >= 0)
+    return (t >= 0) & (s >= 0)  # True, broadcast over the grid of t and s
   parts = [evaluate(e, t, s) for e in expr[1:]]
-  if not parts:
-    return (t >= 0) & (s >= 0)
+  if not parts:  # and of nothing: every key; or of nothing: none (as mods.and_masks / or_masks)
+    every = evaluate(("full",), t, s)
+    return every if kind == "and" else ~every
   out = parts[0]
   for p in parts[1:]:
     out = (out & p) if kind == "and" else (out | p)

@@ -32,12 +32,13 @@ def write(cache: jax.Array, new: jax.Array, index: jax.Array, lengths: jax.Array
   tokens are gathered along the token axis of either layout.
   """
   token_axis = token_axis % cache.ndim
-  S, T = cache.shape[token_axis], new.shape[token_axis]
+  S = cache.shape[token_axis]
   t = jnp.arange(S)[None, :] - index[:, None]  # [B, S]: the new token landing on s
   written = (t >= 0) & (t < lengths[:, None])  # [B, S]
-  source = _along(jnp.clip(t, 0, T - 1), cache.ndim, token_axis)
-  # [B, S, K, H] or [B, K, H, S]: new tokens moved to their cache positions
-  moved = jnp.take_along_axis(new, source, axis=token_axis, mode="clip")
+  # [B, S, K, H] or [B, K, H, S]: new tokens moved to their cache positions; where t is
+  # out of [0, T) nothing is written, so whichever token mode="clip" reads there is dropped
+  moved = jnp.take_along_axis(new, _along(t, cache.ndim, token_axis), axis=token_axis,
+                              mode="clip")
   return jnp.where(_along(written, cache.ndim, token_axis), moved.astype(cache.dtype), cache)
 
 
