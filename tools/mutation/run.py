@@ -53,6 +53,11 @@ TARGETS = {
                         "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
                         "-k 'not script'",
     "jattn/_src/nn/kv_cache.py": "tests/test_kv_cache_unit.py tests/test_decode.py",
+    # the nnx module as a whole: its decoding paths (init_cache in both protocols,
+    # set_view, the decode branch) and the rest of the module, linen's tests left out
+    "jattn/nnx.py": "tests/test_decode.py tests/test_dropin_flax.py tests/test_nnx.py "
+                    "tests/test_module_mods.py tests/test_module_explain.py "
+                    "-k 'not linen and not Linen'",
     "jattn/_src/impl/dense.py": "tests/test_dot_product_attention.py tests/test_dtypes.py -k 'dropout or reference or masked or twice'",
     "jattn/rope.py": "tests/test_rope.py tests/test_transformer_reference.py -k 'rope or Rope'",
     "jattn/_src/masks/structural.py": "tests/test_masks.py tests/test_edges.py",
