@@ -51,24 +51,10 @@ _MIN_BLOCK = 16  # Triton's dot takes operands of at least 16 x 16
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  """Everything static the kernels are built from (hashable)."""
+class Plan(kernel_plan.TilePlan):
+  """Everything static the kernels are built from (hashable): the shared
+  fields of `kernel_plan.TilePlan`, then these."""
 
-  B: int
-  T: int
-  S: int
-  N: int
-  K: int
-  H: int
-  D: int
-  block_q: int
-  block_kv: int
-  scale: float
-  is_causal: bool
-  window: tuple | None
-  has_mask_mod: bool
-  has_score_mod: bool
-  interpret: bool
   # EMPTY tiles skipped, FULL ones unmasked (from the block classes)
   skip: bool = False
   q_lengths: bool = False
@@ -88,14 +74,6 @@ class Plan:
   offsets: bool = False
 
   @property
-  def T_padded(self) -> int:
-    return _round_up(self.T, self.block_q)
-
-  @property
-  def S_padded(self) -> int:
-    return _round_up(self.S, self.block_kv)
-
-  @property
   def reads_padded(self) -> int:  # the dq kernel's vector of read gradients
     return max(_MIN_BLOCK, _next_power_of_two(len(self.score_reads)))
 
@@ -106,10 +84,6 @@ class Plan:
   @property
   def D_padded(self) -> int:
     return max(_MIN_BLOCK, _next_power_of_two(self.D))
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 def _next_power_of_two(x: int) -> int:

@@ -32,6 +32,7 @@ import numpy as np
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.kernels import kernel_plan, kernel_vjp
+from jattn._src.kernels.kernel_plan import round_up
 from jattn._src.kernels.flex_tpu_kernels import LANES as _LANES, backward, forward
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -41,24 +42,10 @@ _MAX_TABLE_ENTRIES = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  """Everything static the kernel is built from (hashable)."""
+class Plan(kernel_plan.TilePlan):
+  """Everything static the kernel is built from (hashable): the shared
+  fields of `kernel_plan.TilePlan`, then these."""
 
-  B: int
-  T: int
-  S: int
-  N: int
-  K: int
-  H: int
-  D: int
-  block_q: int
-  block_kv: int
-  scale: float
-  is_causal: bool
-  window: tuple | None
-  has_mask_mod: bool
-  has_score_mod: bool
-  interpret: bool
   # const index of each read of a floating array captured by score_mod, in the order
   # the tile evaluation reads them: the backward returns one gradient per read
   score_reads: tuple = ()
@@ -72,18 +59,6 @@ class Plan:
   # the queries and keys start at traced global positions (a ring step's ranges),
   # passed to the kernels as two int32 scalars by scalar prefetch (`step_forward`)
   offsets: bool = False
-
-  @property
-  def T_padded(self) -> int:
-    return _round_up(self.T, self.block_q)
-
-  @property
-  def S_padded(self) -> int:
-    return _round_up(self.S, self.block_kv)
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
@@ -121,8 +96,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   if len(score_reads) > _LANES:
     return (f"score_mod reads captured float arrays {len(score_reads)} times per entry "
             f"(the backward returns at most {_LANES} read gradients per tile)")
-  block_q = min(block_q or 128, _round_up(T, 8))
-  block_kv = min(block_kv or 512, _round_up(S, _LANES))
+  block_q = min(block_q or 128, round_up(T, 8))
+  block_kv = min(block_kv or 512, round_up(S, _LANES))
   if score_tables and facts.table_width > block_kv:
     return (f"score_mod: a table of width {facts.table_width} read at positions; the kernel "
             f"gathers from at most block_kv = {block_kv} entries")
@@ -133,7 +108,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   skip = bool(skip) and (has_mask or bool(st.is_causal) or window is not None)
   if skip:  # three int32 tables [B|1, N|1, nq, nk] in SMEM: without room, no skipping
     entries = 3 * (B if facts.mask_uses_b else 1) * (N if facts.mask_uses_n else 1) * (
-        _round_up(T, block_q) // block_q) * (_round_up(S, block_kv) // block_kv)
+        round_up(T, block_q) // block_q) * (round_up(S, block_kv) // block_kv)
     skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, facts.has_score, bool(interpret), score_reads, skip,

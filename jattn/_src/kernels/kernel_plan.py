@@ -15,6 +15,40 @@ from jattn._src.core.modifiers import Modifiers
 from jattn._src.kernels import tile_mods
 
 
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePlan:
+  """What both tile kernels' plans hold (sizes as in jattn/__init__.py's legend, the
+  tiles, the call's static modifiers); each kernel's `Plan` adds its own fields."""
+
+  B: int
+  T: int
+  S: int
+  N: int
+  K: int
+  H: int
+  D: int
+  block_q: int
+  block_kv: int
+  scale: float
+  is_causal: bool
+  window: tuple | None
+  has_mask_mod: bool
+  has_score_mod: bool
+  interpret: bool
+
+  @property
+  def T_padded(self) -> int:
+    return round_up(self.T, self.block_q)
+
+  @property
+  def S_padded(self) -> int:
+    return round_up(self.S, self.block_kv)
+
+
 def common_refusal(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
                    dtypes: tuple, modifiers: Modifiers, return_weights: bool,
                    platform: str) -> str | None:
