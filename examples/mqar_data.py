@@ -43,33 +43,19 @@ def make_examples(rng: np.random.Generator, batch_size: int, seq_len: int,
   each query a key drawn at random from the P.
   """
   B, T, P, V = batch_size, seq_len, num_kv_pairs, vocab_size
-  if query_fraction is not None:
-    return _many_queries(rng, B, T, P, V, query_fraction)
   half = V // 2
   keys = 1 + _first_distinct(rng, B, half - 1, P)  # [B, P] from [1, V/2)
   values = rng.integers(half, V, (B, P))  # [B, P] from [V/2, V)
   tokens = np.full((B, T), FILLER)
   tokens[:, 0:2 * P:2] = keys
   tokens[:, 1:2 * P:2] = values
-  query_pos = 2 * P + _first_distinct(rng, B, T - 2 * P, P)  # [B, P]
-  order = _first_distinct(rng, B, P, P)  # [B, P]: which pair each query asks for
-  rows = np.arange(B)[:, None]
-  tokens[rows, query_pos] = np.take_along_axis(keys, order, axis=1)
-  answers = np.take_along_axis(values, order, axis=1)
-  return {"tokens": tokens.astype(np.int32), "positions": query_pos.astype(np.int32),
-          "answers": answers.astype(np.int32)}
-
-
-def _many_queries(rng, B, T, P, V, query_fraction):
-  half = V // 2
-  keys = 1 + _first_distinct(rng, B, half - 1, P)  # [B, P] from [1, V/2)
-  values = rng.integers(half, V, (B, P))  # [B, P] from [V/2, V)
-  tokens = np.full((B, T), FILLER)
-  tokens[:, 0:2 * P:2] = keys
-  tokens[:, 1:2 * P:2] = values
-  Q = max(P, int(query_fraction * (T - 2 * P)))
-  query_pos = 2 * P + np.sort(_first_distinct(rng, B, T - 2 * P, Q), axis=1)  # [B, Q]
-  asked = rng.integers(0, P, (B, Q))  # which pair each query asks for
+  if query_fraction is None:
+    query_pos = 2 * P + _first_distinct(rng, B, T - 2 * P, P)  # [B, P]
+    asked = _first_distinct(rng, B, P, P)  # [B, P]: which pair each query asks for
+  else:
+    Q = max(P, int(query_fraction * (T - 2 * P)))
+    query_pos = 2 * P + np.sort(_first_distinct(rng, B, T - 2 * P, Q), axis=1)  # [B, Q]
+    asked = rng.integers(0, P, (B, Q))  # keys drawn with replacement
   rows = np.arange(B)[:, None]
   tokens[rows, query_pos] = np.take_along_axis(keys, asked, axis=1)
   answers = np.take_along_axis(values, asked, axis=1)
