@@ -38,6 +38,18 @@ def _clear_caches():
     pass
 
 
+def time_stages(step, *args) -> dict:
+  """Seconds to trace the jitted `step` on args, lower it for the CPU and compile it."""
+  t0 = time.perf_counter()
+  traced = step.trace(*args)
+  t1 = time.perf_counter()
+  lowered = traced.lower(lowering_platforms=("cpu",))
+  t2 = time.perf_counter()
+  lowered.compile()
+  t3 = time.perf_counter()
+  return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
+
+
 def time_once(T: int, implementation, B=1, N=8, H=128) -> dict:
   """Seconds to trace, lower (for the CPU) and compile jit(grad(loss)) from cold caches."""
   _clear_caches()
@@ -48,14 +60,7 @@ def time_once(T: int, implementation, B=1, N=8, H=128) -> dict:
     return jnp.sum(out.astype(jnp.float32))
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-  t0 = time.perf_counter()
-  traced = step.trace(x, x, x)
-  t1 = time.perf_counter()
-  lowered = traced.lower(lowering_platforms=("cpu",))
-  t2 = time.perf_counter()
-  lowered.compile()
-  t3 = time.perf_counter()
-  return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
+  return time_stages(step, x, x, x)
 
 
 def time_train_step(implementation) -> dict:
@@ -74,14 +79,7 @@ def time_train_step(implementation) -> dict:
   graphdef, tx, state = training.create_state(config)
   step = jax.jit(training.make_train_step(graphdef, tx))
   batch = mqar_data.train_batch(config, 0)
-  t0 = time.perf_counter()
-  traced = step.trace(state, batch)
-  t1 = time.perf_counter()
-  lowered = traced.lower(lowering_platforms=("cpu",))
-  t2 = time.perf_counter()
-  lowered.compile()
-  t3 = time.perf_counter()
-  return {"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2, "total": t3 - t0}
+  return time_stages(step, state, batch)
 
 
 def cpu_model() -> str:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
 import resource
 import subprocess
 import sys
@@ -24,16 +23,9 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
+from compile_time import cpu_model  # noqa: E402
+
 IMPLEMENTATIONS = ("blockwise", "xla")
-
-
-def cpu_model() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next(l.split(":", 1)[1].strip() for l in out.splitlines() if "Model name" in l)
-    return name + (" (AVX-512)" if "avx512f" in out else " (no AVX-512)")
-  except (OSError, StopIteration):
-    return platform.processor() or "unknown CPU"
 
 
 def load_config(overrides: list[str]):
