@@ -171,7 +171,11 @@ def model_config(config, *, for_weights: bool = False) -> TransformerConfig:
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
-  if config.lr_schedule == "constant":
+  if config.lr_schedule == "constant" and config.warmup_steps == 0:
+    # optax's linear (and warmup_constant) schedule with 0 transition steps stays at
+    # its initial value, 0: no step would ever move
+    schedule = optax.constant_schedule(config.learning_rate)
+  elif config.lr_schedule == "constant":
     schedule = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
   else:
     schedule = optax.warmup_cosine_decay_schedule(

@@ -135,6 +135,13 @@ def test_constant_schedule_keeps_the_peak_learning_rate():
     last[schedule] = -float(updates["w"][0])
   np.testing.assert_allclose(last["constant"], config.learning_rate, rtol=1e-4)
   assert last["cosine"] < 0.1 * config.learning_rate  # decayed near its end
+  # without warm-up the first step already takes the full rate
+  config.lr_schedule, config.warmup_steps = "constant", 0
+  tx = training.make_optimizer(config)
+  params = {"w": np.zeros(3, np.float32)}
+  with jax.numpy_dtype_promotion("standard"):
+    updates, _ = tx.update({"w": np.full(3, 0.5, np.float32)}, tx.init(params), params)
+  np.testing.assert_allclose(-float(updates["w"][0]), config.learning_rate, rtol=1e-4)
 
 
 @pytest.mark.parametrize("field, value, message", [
