@@ -266,6 +266,8 @@ class MultiHeadAttention(nn.Module):
     _kv_cache.check_call(is_causal, T=T, new_keys=key.shape[axis], per_row=per_row,
                          lengths=lengths)
     initialized = self.has_variable("cache", "cached_key")
+    if initialized:
+      _kv_cache.check_batch(key.shape[0], self.get_variable("cache", "cached_key").shape)
     cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     cache_index = self.variable(

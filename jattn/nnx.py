@@ -291,6 +291,10 @@ class MultiHeadAttention(nnx.Module):
       inputs_v = _heads.check_inputs("inputs_v", inputs_v, self.in_kv_features, layout)
     mask = _heads.float_mask(mask)
     decode = self.decode if decode is None else decode
+    B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]
+    S = inputs_k.shape[_heads.token_axis(layout)]
+    if decode:
+      self._check_decode(is_causal, lengths, B=B, T=T, S=S)
     with matmul_precision(self.precision):
       query, key, value = (
           _heads.project_in(*proj.arrays(x, self.dtype), layout=layout,
@@ -299,8 +303,6 @@ class MultiHeadAttention(nnx.Module):
                           (self.value, inputs_v)))
       if self.normalize_qk:
         query, key = self.query_ln(query), self.key_ln(key)
-      B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]
-      S = inputs_k.shape[_heads.token_axis(layout)]
       start = (jnp.broadcast_to(self.cache_index[...], (B,))
                if decode and self.cache_index is not None
                else jnp.zeros((B,), jnp.int32))  # [B]: position of each row's first token
@@ -308,7 +310,7 @@ class MultiHeadAttention(nnx.Module):
                                          start[:, None] + jnp.arange(S))
       kv_lengths = lengths
       if decode:
-        key, value, mask = self._decode(key, value, mask, is_causal, lengths, T)
+        key, value, mask = self._decode(key, value, mask, lengths, T)
         is_causal, kv_lengths = False, None
         mask_mod, score_mod = _kv_cache.mods_from_positions(start, mask_mod, score_mod)
       dropout_rng = self._dropout_rng(deterministic, rngs)
@@ -343,21 +345,23 @@ class MultiHeadAttention(nnx.Module):
     del query_positions, key_positions
     return query, key
 
-  def _decode(self, key, value, mask, is_causal, lengths, T):
-    """key/value: the new tokens' (from inputs_q, or inputs_k / inputs_v as flax),
-    written to the cache; -> the whole cache and the decoding mask."""
+  def _check_decode(self, is_causal, lengths, *, B, T, S) -> None:
+    """Before any work: a cache of this batch, and a call it can decode (T queries,
+    their S = T new keys, is_causal with jattn's cache, lengths only with it)."""
     if self.cache_index is None:
       raise ValueError("decode=True needs a cache: call init_cache(batch_size, "
                        "max_length), or flax's init_cache(input_shape), first")
-    axis = _heads.heads_token_axis(self.layout)
-    _kv_cache.check_call(is_causal, T=T, new_keys=key.shape[axis],
-                         per_row=self.cache_index.ndim == 1, lengths=lengths)
-    if key.shape[0] != self.cached_key.shape[0]:
-      raise ValueError(f"decode: inputs batch B = {key.shape[0]} does not match the "
-                       f"cache, shape {self.cached_key.shape}")
+    _kv_cache.check_call(is_causal, T=T, new_keys=S, per_row=self.cache_index.ndim == 1,
+                         lengths=lengths)
+    _kv_cache.check_batch(B, self.cached_key.shape)
+
+  def _decode(self, key, value, mask, lengths, T):
+    """key/value: the new tokens' (from inputs_q, or inputs_k / inputs_v as flax),
+    written to the cache; -> the whole cache and the decoding mask."""
     k, v, index, decode_mask = _kv_cache.step(
         self.cached_key[...], self.cached_value[...], self.cache_index[...],
-        key, value, _kv_cache.check_lengths(lengths, key.shape[0], T), token_axis=axis)
+        key, value, _kv_cache.check_lengths(lengths, key.shape[0], T),
+        token_axis=_heads.heads_token_axis(self.layout))
     self.cached_key[...] = k
     self.cached_value[...] = v
     self.cache_index[...] = index

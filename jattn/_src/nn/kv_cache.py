@@ -102,6 +102,13 @@ def check_call(is_causal: bool, *, T: int, new_keys: int, per_row: bool = True,
                      "is_causal=True")
 
 
+def check_batch(B: int, cache_shape: tuple[int, ...]) -> None:
+  """The inputs' batch B is the cache's (its axis 0)."""
+  if cache_shape[0] != B:
+    raise ValueError(f"decode: inputs batch B = {B} does not match the cache, shape "
+                     f"{tuple(cache_shape)}")
+
+
 def mods_from_positions(start, mask_mod, score_mod):
   """mask_mod / score_mod for queries that start at position start[b] (int [B]) of the
   cache: decoding calls them with t the query's position in the cache, as a full pass would."""
