@@ -207,13 +207,3 @@ def test_view_makes_a_columns_cache_that_decodes_as_flax():
     got = jnp.swapaxes(ours(jnp.swapaxes(x[:, t:t + 1], 1, 2)), 1, 2)
     np.testing.assert_allclose(got, theirs(x[:, t:t + 1]), **TOL)
 
-
-def test_linen_decoding_a_batch_the_cache_was_not_made_for_names_both():
-  m = jattn.linen.MultiHeadAttention(N)
-  for per_row in (True, False):  # jattn's cache, then flax's (the decode attribute)
-    module = m if per_row else m.clone(decode=True)
-    call = dict(is_causal=True, decode=True) if per_row else {}
-    variables = module.init(jax.random.key(0), jnp.zeros((B, T, F)), **call)
-    with raises(ValueError, "decode: inputs batch B = 3 does not match the cache",
-                "(2, 5, 4, 4)"):
-      module.apply(variables, _x((3, 1, F), 1), mutable=["cache"], **call)

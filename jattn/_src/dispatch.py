@@ -49,18 +49,25 @@ class Choice:
 
 def choose(call, implementation: str | None, platform: str) -> Choice:
   """The implementation `implementation` (None: the platform's best) runs on `platform`."""
-  names = preference(call, platform) if implementation is None else (implementation,)
+  if implementation is not None:
+    return _explicit(call, implementation, platform)
   passed_over = []
-  for name in names:
+  for name in preference(call, platform):
     plan = IMPLEMENTATIONS[name].plan_for(call, platform)
     if not isinstance(plan, str):
       return Choice(platform, name, plan, tuple(passed_over))
     passed_over.append((name, plan))
-  if implementation is None:  # "xla" takes every call, so this cannot happen
-    raise AssertionError(f"no implementation takes this call on {platform}: {passed_over}")
-  return Choice(platform, None, passed_over=tuple(passed_over),
-                error=(f"implementation={implementation!r} cannot run this call on "
-                       f"{platform!r}: {passed_over[0][1]}"))
+  # "xla" takes every call, so this cannot happen
+  raise AssertionError(f"no implementation takes this call on {platform}: {passed_over}")
+
+
+def _explicit(call, name: str, platform: str) -> Choice:
+  """The one implementation the caller named; its refusal is the Choice's error."""
+  plan = IMPLEMENTATIONS[name].plan_for(call, platform)
+  if not isinstance(plan, str):
+    return Choice(platform, name, plan)
+  return Choice(platform, None, passed_over=((name, plan),),
+                error=f"implementation={name!r} cannot run this call on {platform!r}: {plan}")
 
 
 def choose_all(call, implementation: str | None) -> tuple[Choice, ...]:
@@ -70,8 +77,8 @@ def choose_all(call, implementation: str | None) -> tuple[Choice, ...]:
     # the reason on the platforms it was made for (e.g. "it takes no bias"),
     # else that it runs on none of them
     own = IMPLEMENTATIONS[implementation].platforms or PLATFORMS
-    reasons = dict.fromkeys(c.passed_over[0][1] for c in choices
-                            if c.platform in own or call.interpret)
+    reasons = dict.fromkeys(reason for c in choices if c.platform in own or call.interpret
+                            for _, reason in c.passed_over)
     raise ValueError(f"implementation={implementation!r} cannot run this call: "
                      f"{'; '.join(reasons)}")
   return choices

@@ -11,7 +11,9 @@ the operators a reviewer plants by hand (off-by-one numbers, + <-> -, * <-> /,
 dropped minus or `not`), each mutant tested by the targeted test selection of
 TARGETS (stopping at the first failure), one mutant at a time, or one per worker
 with --workers N (cosmic-ray's http distributor; each worker mutates its own
-copy of the tree). Then a summary
+copy of the tree). Mutants inside annotations are skipped: every target file has
+`from __future__ import annotations`, so they are strings nothing evaluates (earlier
+rounds counted them, as survivors listed "annotation"). Then a summary
 per file and every surviving mutant, with the equivalent ones' reasons from
 tests/mutation_survivors.md. Re-running continues an interrupted session.
 
@@ -20,6 +22,7 @@ Slow (minutes per file, hours for all): the slow tier, not CI; docs/testing.md.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import pathlib
@@ -55,9 +58,16 @@ TARGETS = {
     "jattn/_src/nn/kv_cache.py": "tests/test_kv_cache_unit.py tests/test_decode.py",
     # the nnx module as a whole: its decoding paths (init_cache in both protocols,
     # set_view, the decode branch) and the rest of the module, linen's tests left out
-    "jattn/nnx.py": "tests/test_decode.py tests/test_dropin_flax.py tests/test_nnx.py "
-                    "tests/test_module_mods.py tests/test_module_explain.py "
+    # (the edge tests written from the survivors first: they take seconds)
+    "jattn/nnx.py": "tests/test_nnx_edges.py tests/test_decode.py tests/test_dropin_flax.py "
+                    "tests/test_nnx.py tests/test_module_mods.py tests/test_module_explain.py "
                     "-k 'not linen and not Linen'",
+    # the linen module likewise, thorough twins of its decoding tests included (-m '')
+    "jattn/linen.py": "tests/test_linen_edges.py tests/test_linen.py tests/test_decode.py "
+                      "tests/test_dropin_flax.py tests/test_module_mods.py "
+                      "tests/test_module_explain.py tests/test_flax_attention_fn.py -m '' "
+                      "-k 'linen or Linen or batch_axes or lengths_reach or complex "
+                      "or precision_reaches or use_sinks_adds or equals_the_function'",
     "jattn/_src/impl/dense.py": "tests/test_dot_product_attention.py tests/test_dtypes.py -k 'dropout or reference or masked or twice'",
     "jattn/rope.py": "tests/test_rope.py tests/test_transformer_reference.py -k 'rope or Rope'",
     "jattn/_src/masks/structural.py": "tests/test_masks.py tests/test_edges.py",
@@ -166,11 +176,49 @@ def start_workers(n: int):
   return ports, procs
 
 
+def annotation_spans(path: str) -> list:
+  """((row, col), (end_row, end_col)) of every annotation in `path`, when the file
+  has `from __future__ import annotations` (they are then strings nothing evaluates:
+  a mutant inside one, `X | None` -> `X & None`, cannot change any value)."""
+  tree = ast.parse((ROOT / path).read_text())
+  postponed = any(isinstance(node, ast.ImportFrom) and node.module == "__future__"
+                  and any(a.name == "annotations" for a in node.names) for node in tree.body)
+  if not postponed:
+    return []
+  notes = []
+  for node in ast.walk(tree):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      notes.append(node.returns)
+    elif isinstance(node, (ast.arg, ast.AnnAssign)):
+      notes.append(node.annotation)
+  return [((n.lineno, n.col_offset), (n.end_lineno, n.end_col_offset))
+          for n in notes if n is not None]
+
+
+def skip_annotations(path: str, db: pathlib.Path) -> int:
+  """Marks the session's mutants inside annotations as skipped (as cosmic-ray's own
+  operator filter marks the operators it drops); returns how many."""
+  from cosmic_ray.work_db import use_db
+  from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+  spans = annotation_spans(path)
+  inside = lambda m: any(a <= tuple(m.start_pos) and tuple(m.end_pos) <= b for a, b in spans)
+  skipped = 0
+  with use_db(str(db)) as work_db:
+    for item in list(work_db.work_items):
+      if item.mutations and all(inside(m) for m in item.mutations):
+        work_db.set_result(item.job_id, WorkResult(output="inside an annotation",
+                                                   worker_outcome=WorkerOutcome.SKIPPED))
+        skipped += 1
+  return skipped
+
+
 def run(path: str, ports=()) -> None:
   toml, db = config(path, ports), SESSIONS / f"{pathlib.Path(path).stem}.sqlite"
   if not db.exists():
     subprocess.run([BIN / "cosmic-ray", "init", toml, db], check=True, cwd=WORK)
     subprocess.run([BIN / "cr-filter-operators", db, toml], check=True, cwd=WORK)
+  skip_annotations(path, db)  # (also for a session begun before this filter)
   subprocess.run([BIN / "cosmic-ray", "exec", toml, db], check=True, cwd=WORK,
                  env=dict(os.environ, PYTHONPATH=str(WORK), **CACHE))
 
