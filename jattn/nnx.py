@@ -303,8 +303,7 @@ class MultiHeadAttention(nnx.Module):
                           (self.value, inputs_v)))
       if self.normalize_qk:
         query, key = self.query_ln(query), self.key_ln(key)
-      start = (jnp.broadcast_to(self.cache_index[...], (B,))
-               if decode and self.cache_index is not None
+      start = (jnp.broadcast_to(self.cache_index[...], (B,)) if decode  # (checked above)
                else jnp.zeros((B,), jnp.int32))  # [B]: position of each row's first token
       query, key = self.encode_positions(query, key, start[:, None] + jnp.arange(T),
                                          start[:, None] + jnp.arange(S))

@@ -64,7 +64,8 @@ def test_parameter_metadata_as_flax_when_only_the_inputs_are_given():
   """out_kernel_metadata / out_bias_metadata default to kernel_metadata / bias_metadata,
   as flax's."""
   kw = dict(kernel_metadata={"note": "kernel"}, bias_metadata={"note": "bias"})
-  ours, theirs = _pair(**kw)
+  theirs = nnx.MultiHeadAttention(N, F, rngs=nnx.Rngs(0), **kw)
+  ours = jattn.nnx.MultiHeadAttention(N, F, rngs=nnx.Rngs(0), **kw)  # (nnx.update copies it)
   notes = lambda m: {path: p.get_metadata().get("note")
                      for path, p in nnx.to_flat_state(nnx.state(m, nnx.Param))}
   assert notes(theirs)[("out", "bias")] == "bias"  # flax's rule, which jattn follows
@@ -207,3 +208,27 @@ def test_view_makes_a_columns_cache_that_decodes_as_flax():
     got = jnp.swapaxes(ours(jnp.swapaxes(x[:, t:t + 1], 1, 2)), 1, 2)
     np.testing.assert_allclose(got, theirs(x[:, t:t + 1]), **TOL)
 
+
+
+def test_positions_given_to_encode_positions_with_and_without_decode():
+  """The hook sees each row's positions: from its cache position while decoding, from 0
+  in a call that does not decode, even when a cache is there."""
+  seen = []
+
+  class Recording(jattn.nnx.MultiHeadAttention):
+    def encode_positions(self, query, key, query_positions, key_positions):
+      seen.append((np.asarray(query_positions), np.asarray(key_positions)))
+      return query, key
+
+  m = Recording(N, F, rngs=nnx.Rngs(0))
+  m.init_cache(B, 8)
+  x = _x((B, 3, F), 1)
+  m(x, is_causal=True, decode=True, lengths=jnp.array([3, 2]))
+  m(x[:, :1], is_causal=True, decode=True)
+  m(x, is_causal=True)  # no decoding: a full pass from position 0
+  (q0, k0), (q1, k1), (q2, k2) = seen
+  np.testing.assert_array_equal(q0, [[0, 1, 2]] * B)
+  np.testing.assert_array_equal(q1, [[3], [2]])  # each row after its own prompt
+  np.testing.assert_array_equal(k1, q1)
+  np.testing.assert_array_equal(q2, [[0, 1, 2]] * B)
+  np.testing.assert_array_equal(k2, q2)
