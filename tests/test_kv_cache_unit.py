@@ -114,6 +114,15 @@ def test_check_call_refuses_what_decoding_cannot_do():
     kv_cache.check_call(True, T=2, new_keys=2, per_row=False, lengths=np.array([1]))
 
 
+def test_check_batch_reads_the_batch_on_axis_0_of_either_layout():
+  kv_cache.check_batch(B, (B, S, K, H))  # rows: accepted
+  kv_cache.check_batch(B, (B, K, H, S))  # columns: accepted
+  for shape in ((B, S, K, H), (B, K, H, S)):
+    with raises(ValueError, "decode: inputs batch B = 3 does not match the cache",
+                str(shape)):
+      kv_cache.check_batch(3, shape)
+
+
 def test_mods_from_positions_shift_the_query_position():
   start = jnp.array([0, 5], jnp.int32)
   mask_mod, score_mod = kv_cache.mods_from_positions(

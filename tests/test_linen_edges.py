@@ -10,6 +10,7 @@ mutant that the module's other tests let live.
 
 import warnings
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,3 +130,57 @@ def test_decoding_a_batch_the_cache_was_not_made_for_names_both():
     with raises(ValueError, "decode: inputs batch B = 3 does not match the cache",
                 "(2, 5, 4, 4)"):
       module.apply(variables, _x((3, 1, F), 1), mutable=["cache"], **call)
+
+
+def test_an_input_of_rank_two_meets_its_kernel_before_its_rank_check_as_flax():
+  """Against parameters made for 12 key features, keys [S, 10] without a batch axis
+  raise flax's ScopeParamShapeError, as flax's module does (the kernel comes first),
+  and keys of rank one a ValueError that names their rank;
+  square values [S, S] without a batch axis warn as flax does, then are refused."""
+  q = _x((B, T, F), 1)
+  theirs = nn.MultiHeadDotProductAttention(N)
+  params = theirs.init(jax.random.key(0), q, _x((B, T, 12), 2))
+  ours = jattn.linen.MultiHeadAttention(N)
+  for module in (theirs, ours):
+    with pytest.raises(flax.errors.ScopeParamShapeError):
+      module.apply(params, q, _x((T, 10), 3))
+  # below rank 2 there is no [S, F] to read F from: jattn names the rank first
+  with raises(ValueError, "inputs_k: expected rank 3", "(10,)"):
+    ours.apply(params, q, _x((10,), 3))
+  with pytest.warns(DeprecationWarning, match="intended to pass it to the `mask` arg"):
+    with raises(ValueError, "inputs_v: expected rank 3", "(16, 16)"):
+      ours.init(jax.random.key(0), q, q, _x((F, F), 4))
+
+
+@pytest.mark.parametrize("name", ["inputs_k", "inputs_v"])
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.int32])
+def test_keys_and_values_of_a_type_jattn_cannot_attend_are_refused_by_name(name, dtype):
+  q = _x((B, T, F), 1)
+  kv = dict(inputs_k=_x((B, T, F), 2), inputs_v=_x((B, T, F), 3))
+  kv[name] = kv[name].astype(dtype)
+  with raises(TypeError, name, str(jnp.dtype(dtype))):
+    jattn.linen.MultiHeadAttention(N).init(jax.random.key(0), q, **kv)
+
+
+def test_attention_fn_receives_the_keywords_flax_passes():
+  """A user attention_fn that names flax's keywords receives the values flax's module
+  gives it, the defaults included (force_fp32_for_softmax=False, deterministic, ...)."""
+  def recorder(record):
+    def attention_fn(query, key, value, mask=None, dropout_rng=None, dropout_rate=0.0,
+                     broadcast_dropout=True, deterministic=False, dtype=None,
+                     precision=None, force_fp32_for_softmax=None):
+      record.update(dropout_rate=dropout_rate, broadcast_dropout=broadcast_dropout,
+                    deterministic=deterministic, dtype=dtype, precision=precision,
+                    force_fp32_for_softmax=force_fp32_for_softmax,
+                    dropout_rng=dropout_rng is None, mask=mask is None)
+      return nn.dot_product_attention(query, key, value, mask=mask)
+    return attention_fn
+
+  x = _x((B, T, F), 1)
+  theirs_record, ours_record = {}, {}
+  kw = dict(broadcast_dropout=True)  # the one default jattn changes (documented)
+  params = nn.MultiHeadDotProductAttention(N, attention_fn=recorder(theirs_record),
+                                           **kw).init(jax.random.key(0), x)
+  jattn.linen.MultiHeadAttention(N, attention_fn=recorder(ours_record), **kw).apply(params, x)
+  assert ours_record == theirs_record
+  assert theirs_record["force_fp32_for_softmax"] is False
