@@ -150,6 +150,8 @@ def test_an_input_of_rank_two_meets_its_kernel_before_its_rank_check_as_flax():
   with pytest.warns(DeprecationWarning, match="intended to pass it to the `mask` arg"):
     with raises(ValueError, "inputs_v: expected rank 3", "(16, 16)"):
       ours.init(jax.random.key(0), q, q, _x((F, F), 4))
+  with raises(ValueError, "inputs_v: expected rank 3", "(16,)"):  # no last two axes to compare
+    ours.init(jax.random.key(0), q, q, _x((F,), 4))
 
 
 @pytest.mark.parametrize("name", ["inputs_k", "inputs_v"])
@@ -184,3 +186,15 @@ def test_attention_fn_receives_the_keywords_flax_passes():
   jattn.linen.MultiHeadAttention(N, attention_fn=recorder(ours_record), **kw).apply(params, x)
   assert ours_record == theirs_record
   assert theirs_record["force_fp32_for_softmax"] is False
+
+
+def test_dropout_draws_each_batch_element_apart_by_default():
+  """jattn's default broadcast_dropout=False (flax's is True): two equal batch rows get
+  different dropout; with broadcast_dropout=True, as flax's default, the same."""
+  x = jnp.broadcast_to(_x((1, T, F), 1), (B, T, F))
+  for broadcast in (None, True):
+    kw = {} if broadcast is None else dict(broadcast_dropout=broadcast)
+    m = jattn.linen.MultiHeadAttention(N, dropout_rate=0.5, **kw)
+    params = m.init(jax.random.key(0), x, deterministic=True)
+    out = m.apply(params, x, deterministic=False, dropout_rng=jax.random.key(3))
+    assert np.allclose(out[0], out[1]) == bool(broadcast)
