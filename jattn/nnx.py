@@ -289,6 +289,11 @@ class MultiHeadAttention(nnx.Module):
     if not self_attention:
       inputs_k = _heads.check_inputs("inputs_k", inputs_k, self.in_kv_features, layout)
       inputs_v = _heads.check_inputs("inputs_v", inputs_v, self.in_kv_features, layout)
+    elif self.in_kv_features != self.in_features:
+      raise ValueError(f"inputs_k: keys and values come from inputs_q, shape "
+                       f"{inputs_q.shape}, when inputs_k is None, but in_kv_features = "
+                       f"{self.in_kv_features} differs from in_features = {self.in_features}: "
+                       f"pass inputs_k (and inputs_v)")
     mask = _heads.float_mask(mask)
     decode = self.decode if decode is None else decode
     B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]

@@ -198,3 +198,23 @@ def test_dropout_draws_each_batch_element_apart_by_default():
     params = m.init(jax.random.key(0), x, deterministic=True)
     out = m.apply(params, x, deterministic=False, dropout_rng=jax.random.key(3))
     assert np.allclose(out[0], out[1]) == bool(broadcast)
+
+
+def test_output_dtype_follows_every_parameter_as_flax():
+  """The projections promote the inputs with the kernel and the bias, as flax's
+  DenseGeneral: a float32 bias beside bfloat16 kernels and inputs gives float32; with
+  no bias, bfloat16 stays."""
+  x = _x((B, T, F), 1).astype(jnp.bfloat16)
+  for use_bias in (True, False):
+    theirs = nn.MultiHeadDotProductAttention(N, use_bias=use_bias, param_dtype=jnp.bfloat16)
+    params = theirs.init(jax.random.key(0), x)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p: p.astype(jnp.float32) if "bias" in str(path) else p, params)
+    # mixed parameter dtypes promote implicitly (a TypePromotionError under conftest's
+    # strict promotion), in flax and in jattn alike
+    with jax.numpy_dtype_promotion("standard"):
+      want = theirs.apply(params, x)
+      got = jattn.linen.MultiHeadAttention(N, use_bias=use_bias).apply(params, x)
+    assert got.dtype == want.dtype == (jnp.float32 if use_bias else jnp.bfloat16)
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32),
+                               rtol=0.05, atol=0.05)

@@ -232,3 +232,58 @@ def test_positions_given_to_encode_positions_with_and_without_decode():
   np.testing.assert_array_equal(k1, q1)
   np.testing.assert_array_equal(q2, [[0, 1, 2]] * B)
   np.testing.assert_array_equal(k2, q2)
+
+
+# ------------------------------------------------ what both modules share (heads.py)
+
+@pytest.mark.parametrize("name", ["num_heads", "qkv_features", "num_kv_heads"])
+@pytest.mark.parametrize("bad", [0, -4, True, 2.0])
+def test_head_counts_and_features_must_be_positive_ints(name, bad):
+  kw = dict(num_heads=N, in_features=F) | {name: bad}
+  with raises(ValueError, f"{name} must be a positive int", repr(bad)):
+    jattn.nnx.MultiHeadAttention(**kw, rngs=nnx.Rngs(0))
+
+
+def test_self_attention_with_other_key_value_features_is_refused_by_name():
+  """flax fails inside dot_general; jattn says which argument is missing."""
+  m = jattn.nnx.MultiHeadAttention(N, F, in_kv_features=12, rngs=nnx.Rngs(0))
+  with raises(ValueError, "inputs_k: keys and values come from inputs_q", "(2, 5, 16)",
+              "in_kv_features = 12"):
+    m(_x((B, T, F), 1))
+
+
+def test_output_dtype_without_bias_as_flax():
+  """use_bias=False in bfloat16: no bias takes part in the promotion, so the output
+  stays bfloat16, as flax's."""
+  kw = dict(use_bias=False, param_dtype=jnp.bfloat16)
+  ours, theirs = _pair(**kw)
+  x = _x((B, T, F), 1).astype(jnp.bfloat16)
+  with jax.numpy_dtype_promotion("standard"):  # flax's jax.nn path promotes implicitly
+    want = theirs(x)
+  assert ours(x).dtype == want.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("layout, legend", [("rows", "[B, T, F]"), ("columns", "[B, F, T]")])
+def test_a_rank_one_input_is_named_with_its_layout_and_shape(layout, legend):
+  m = jattn.nnx.MultiHeadAttention(N, F, layout=layout, rngs=nnx.Rngs(0))
+  with raises(ValueError, "inputs_q: expected rank 3", legend, f"for layout '{layout}'",
+              "got shape (16,)"):
+    m(_x((F,), 1))
+
+
+def test_inputs_kv_warning_points_at_the_callers_line():
+  m = jattn.nnx.MultiHeadAttention(N, F, rngs=nnx.Rngs(0))
+  with pytest.warns(DeprecationWarning, match="inputs_kv") as record:
+    m(_x((B, T, F), 1), inputs_kv=_x((B, T, F), 2))
+  assert record[0].filename == __file__
+
+
+def test_a_rank_four_mask_with_two_batch_axes_broadcasts_over_the_first():
+  """A mask [B, 1, T, S] against inputs [3, B, T, F] broadcasts as NumPy does (flax's
+  own module refuses it): flax's result with the mask broadcast to [3, B, 1, T, S]."""
+  ours, theirs = _pair()
+  x = _x((3, B, T, F), 1)
+  keys = (jnp.arange(T) < jnp.array([[2], [4]])).astype(jnp.float32)  # [B, S]
+  mask = nnx.make_attention_mask(jnp.ones((B, T)), keys)  # [B, 1, T, S]
+  want = theirs(x, mask=jnp.broadcast_to(mask, (3,) + mask.shape))
+  np.testing.assert_allclose(ours(x, mask=mask), want, **TOL)

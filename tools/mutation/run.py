@@ -62,6 +62,14 @@ TARGETS = {
     "jattn/nnx.py": "tests/test_nnx_edges.py tests/test_decode.py tests/test_dropin_flax.py "
                     "tests/test_nnx.py tests/test_module_mods.py tests/test_module_explain.py "
                     "-k 'not linen and not Linen'",
+    # what both modules share: projections, input checks, batch axes, the attention step
+    "jattn/_src/nn/heads.py": "tests/test_nnx_edges.py tests/test_linen_edges.py tests/test_nnx.py "
+                              "tests/test_linen.py tests/test_dropin_flax.py tests/test_decode.py "
+                              "tests/test_flax_attention_fn.py -k 'not transformer and not gemma'",
+    "jattn/_src/nn/attend_step.py": "tests/test_nnx_edges.py tests/test_linen_edges.py "
+                                    "tests/test_nnx.py tests/test_linen.py tests/test_dropin_flax.py "
+                                    "tests/test_module_mods.py tests/test_decode.py "
+                                    "-k 'not transformer and not gemma'",
     # the linen module likewise, thorough twins of its decoding tests included (-m '')
     "jattn/linen.py": "tests/test_linen_edges.py tests/test_linen.py tests/test_decode.py "
                       "tests/test_dropin_flax.py tests/test_module_mods.py "
