@@ -226,7 +226,8 @@ def run(path: str, ports=()) -> None:
   if not db.exists():
     subprocess.run([BIN / "cosmic-ray", "init", toml, db], check=True, cwd=WORK)
     subprocess.run([BIN / "cr-filter-operators", db, toml], check=True, cwd=WORK)
-  skip_annotations(path, db)  # (also for a session begun before this filter)
+  # (also for a session begun before this filter)
+  print(f"{path}: {skip_annotations(path, db)} mutants inside annotations skipped")
   subprocess.run([BIN / "cosmic-ray", "exec", toml, db], check=True, cwd=WORK,
                  env=dict(os.environ, PYTHONPATH=str(WORK), **CACHE))
 
