@@ -227,7 +227,8 @@ def run(path: str, ports=()) -> None:
     subprocess.run([BIN / "cosmic-ray", "init", toml, db], check=True, cwd=WORK)
     subprocess.run([BIN / "cr-filter-operators", db, toml], check=True, cwd=WORK)
   # (also for a session begun before this filter)
-  print(f"{path}: {skip_annotations(path, db)} mutants inside annotations skipped")
+  print(f"{path}: {skip_annotations(path, db)} mutants inside annotations marked skipped "
+        "(of any operator, the ones the operator filter dropped included)")
   subprocess.run([BIN / "cosmic-ray", "exec", toml, db], check=True, cwd=WORK,
                  env=dict(os.environ, PYTHONPATH=str(WORK), **CACHE))
 
