@@ -21,6 +21,7 @@ from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.dot_product_attention import dot_product_attention
 from jattn._src.dispatch import Explanation, explain_calls
 from jattn._src.explain import explain
+from jattn._src.lowering import lowering_for
 from jattn._src.nn.flax_attention_fn import flax_attention_fn
 from jattn._src.masks.structural import (causal_mask, combine_masks, local_mask, padding_mask,
                                          segment_mask)
@@ -40,6 +41,7 @@ __all__ = [
     "Explanation",
     "flax_attention_fn",
     "local_mask",
+    "lowering_for",
     "padding_mask",
     "project_qkv",
     "ring_attention",
