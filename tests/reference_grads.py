@@ -46,3 +46,44 @@ def reference_vjp(query, key, value, d_out, bias=None, *, scale=None, **masks):
     dk[:, :, heads[n]] += dk_n[:, :, n]
     dv[:, :, heads[n]] += dv_n[:, :, n]
   return out, dq, dk, dv, dl
+
+
+def reference_mods_vjp(query, key, value, d_out, *, allowed=None, score=None, d_score=None,
+                       sinks=None, scale=None):
+  """(out, d_query, d_key, d_value) in float64, layout BTNH, for a score function and sinks.
+
+  allowed: bool broadcastable to [B, N, T, S]; score(x) a NumPy function of the logits
+  [B, N, T, S] and d_score(x) its elementwise derivative; sinks [N] (a logit per head
+  in the softmax's denominator, with no value). With P the weights over the visible keys
+  (sinks in the denominator): dV = P^T dO, dP = dO V^T, dX = P * (dP - rowsum(dP * P)),
+  then through the score function, dQ = dX K * scale, dK = dX^T Q * scale.
+  """
+  q, k, v, do = (np.asarray(x, np.float64) for x in (query, key, value, d_out))
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  heads = [n // (N // K) for n in range(N)]
+  kn, vn = k[:, :, heads], v[:, :, heads]
+  scale = 1.0 / np.sqrt(H) if scale is None else float(scale)
+  x = np.einsum("btnh,bsnh->bnts", q, kn) * scale
+  logits = x if score is None else score(x)
+  shape = logits.shape
+  allowed = np.ones(shape, bool) if allowed is None else np.broadcast_to(allowed, shape)
+  sink = -np.inf if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]
+  m = np.maximum(np.where(allowed, logits, -np.inf).max(-1, keepdims=True), sink)
+  m = np.where(np.isfinite(m), m, 0.0)
+  e = np.where(allowed, np.exp(logits - m), 0.0)
+  denom = e.sum(-1, keepdims=True) + np.exp(sink - m)
+  p = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+  out = np.einsum("bnts,bsnd->btnd", p, vn)
+  dp = np.einsum("btnd,bsnd->bnts", do, vn)
+  dx = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))
+  if d_score is not None:
+    dx = dx * d_score(x)
+  dq = np.einsum("bnts,bsnh->btnh", dx, kn) * scale
+  dk_n = np.einsum("bnts,btnh->bsnh", dx, q) * scale
+  dv_n = np.einsum("bnts,btnd->bsnd", p, do)
+  dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+  for n in range(N):
+    dk[:, :, heads[n]] += dk_n[:, :, n]
+    dv[:, :, heads[n]] += dv_n[:, :, n]
+  return out, dq, dk, dv

@@ -32,6 +32,8 @@ The kernels are in `flex_gpu_kernels`; docs/gpu_kernel.md has the design.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax.numpy as jnp
@@ -121,12 +123,32 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   if isinstance(facts, str):
     return facts
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
-  return Plan(B, T, S, N, K, H, D, _tile(T, block_q), _tile(S, block_kv), float(m.scale),
+  plan = Plan(B, T, S, N, K, H, D, _tile(T, block_q), _tile(S, block_kv), float(m.scale),
               bool(st.is_causal), window, facts.has_mask, facts.has_score, bool(interpret),
               skip=facts.has_mask or bool(st.is_causal) or window is not None,
               q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
               segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
               score_reads=facts.score_reads, score_tables=facts.score_tables)
+  return dataclasses.replace(plan, **(_LAUNCH.get() or {}))
+
+
+# The tile sweep of benchmarks/gpu_kernels.py sets the launch parameters of the calls
+# planned inside `launch_parameters(...)`; they enter the Plan, so the jit cache keys on them.
+_LAUNCH = contextvars.ContextVar("jattn_flex_gpu_launch", default=None)
+
+
+@contextlib.contextmanager
+def launch_parameters(*, block_q: int, block_kv: int, num_warps: int, num_stages: int):
+  """Calls planned in this block use these tiles (powers of two >= 16) and launch sizes."""
+  for name, tile in (("block_q", block_q), ("block_kv", block_kv)):
+    if tile < _MIN_BLOCK or tile != _next_power_of_two(tile):
+      raise ValueError(f"{name} must be a power of two >= {_MIN_BLOCK}, got {tile}")
+  token = _LAUNCH.set(dict(block_q=block_q, block_kv=block_kv, num_warps=num_warps,
+                           num_stages=num_stages))
+  try:
+    yield
+  finally:
+    _LAUNCH.reset(token)
 
 
 def _forward(p: Plan, layout: Layout, query, key, value, modifiers):

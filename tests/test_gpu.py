@@ -1,0 +1,243 @@
+"""Every CUDA implementation compiled on an NVIDIA GPU, against the float64 reference.
+
+cudnn, pallas (jax's Pallas `mha`), flex_gpu (jattn's Triton kernel), xla, blockwise and
+implementation=None; forward and `jax.grad` into q, k, v; the built-in masks and every
+`jattn.mods` mask and score function, sinks, hand-written mods, a row with no visible
+key; float32, bfloat16 and float16; H = 64 and 128, T != S, unaligned T, grouped heads.
+A case an implementation's plan refuses on "cuda" is skipped with the plan's reason
+(reported as skipped, never as passed). `test_what_runs_is_what_explain_names` reads the
+kernels in the lowered program and compares them with `jattn.explain(...)`'s choice.
+
+Marked `gpu`: skipped where jax sees no GPU (CI), run by `tools/gpu_check.py` on a lent
+one. `JATTN_GPU_REHEARSAL=1` runs a small subset on a CPU instead, with the Pallas
+kernels interpreted and the CUDA program exported from the host (`tools/gpu_check.py
+--smoke`, in the CI tier), so that this file cannot rot between GPU sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import jattn
+from jattn import mods
+from jattn._src.impl.interpret import pallas_interpret
+from tests.reference_grads import reference_mods_vjp
+
+ON_GPU = any(d.platform == "gpu" for d in jax.devices())
+REHEARSAL = not ON_GPU and os.environ.get("JATTN_GPU_REHEARSAL") == "1"
+pytestmark = pytest.mark.skipif(not (ON_GPU or REHEARSAL),
+                                reason="needs an NVIDIA GPU (or JATTN_GPU_REHEARSAL=1)")
+
+IMPLEMENTATIONS = ("cudnn", "pallas", "flex_gpu", "xla", "blockwise", None)
+# relative error ||x - ref|| / ||ref|| allowed per dtype: float32 computed at full
+# precision; the half types round P (and the output) to 8 or 11 bits
+TOLERANCE = {"float32": 2e-4, "bfloat16": 3e-2, "float16": 5e-3}
+# jax's Pallas mha has no precision argument: Triton's float32 dot is TF32 (10 bits)
+TF32_TOLERANCE = 3e-3
+
+# shapes: name -> (B, T, S, N, K, H); the rehearsal's are smaller (interpreted kernels)
+SHAPES = ({"base": (2, 256, 256, 4, 2, 64), "h128": (1, 256, 256, 4, 2, 128),
+           "cross": (2, 192, 320, 4, 2, 64), "unaligned": (2, 200, 200, 4, 1, 64)}
+          if not REHEARSAL else
+          {"base": (1, 96, 96, 2, 1, 32), "h128": (1, 64, 64, 2, 1, 128),
+           "cross": (1, 48, 80, 2, 1, 32), "unaligned": (1, 72, 72, 2, 1, 32)})
+
+
+def _case(name, B, T, S, N):
+  """-> (kwargs of dot_product_attention, allowed [B|1, N|1, T, S], score, d_score, sinks)."""
+  t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+  rng = np.random.default_rng(7)
+  ids_q = np.sort(rng.integers(0, 4, (B, T)), axis=1).astype(np.int32)
+  ids_kv = ids_q if T == S else np.sort(rng.integers(0, 4, (B, S)), axis=1).astype(np.int32)
+  lengths = np.array([S - 5, S // 2, S // 3][:B], np.int32)
+  prefix = np.array([T // 5, T // 2, 3][:B], np.int32)
+  slopes = np.linspace(0.05, 0.4, N).astype(np.float32)
+  table = np.linspace(-1.0, 1.0, N * 17).reshape(N, 17).astype(np.float32)
+  sinks = np.linspace(-1.0, 1.0, N).astype(np.float32)
+  causal = (s <= t)[None, None]
+  tanh_cap = lambda c: (lambda x: c * np.tanh(x / c), lambda x: 1 - np.tanh(x / c) ** 2)
+  one = lambda x: np.ones_like(x)
+  cases = {
+      "none": (dict(), None, None, None, None),
+      "causal": (dict(is_causal=True), causal, None, None, None),
+      "window": (dict(local_window_size=(16, 8)), ((t - 16 <= s) & (s <= t + 8))[None, None],
+                 None, None, None),
+      "kv_lengths": (dict(key_value_seq_lengths=jnp.asarray(lengths)),
+                     (s[None] < lengths[:, None, None])[:, None], None, None, None),
+      "segments": (dict(q_segment_ids=jnp.asarray(ids_q), kv_segment_ids=jnp.asarray(ids_kv)),
+                   (ids_q[:, :, None] == ids_kv[:, None, :])[:, None], None, None, None),
+      "mods_causal": (dict(mask_mod=mods.causal()), causal, None, None, None),
+      "mods_sliding_window": (dict(mask_mod=mods.sliding_window(16)),
+                              ((t - 16 <= s) & (s <= t))[None, None], None, None, None),
+      "mods_chunked": (dict(mask_mod=mods.chunked(32)), (t // 32 == s // 32)[None, None],
+                       None, None, None),
+      "mods_prefix_lm": (dict(mask_mod=mods.prefix_lm(jnp.asarray(prefix))),
+                         ((s <= t)[None] | (s[None] < prefix[:, None, None]))[:, None],
+                         None, None, None),
+      "mods_document": (dict(mask_mod=mods.document(jnp.asarray(ids_q), jnp.asarray(ids_kv))),
+                        (ids_q[:, :, None] == ids_kv[:, None, :])[:, None], None, None, None),
+      "mods_and_or": (dict(mask_mod=mods.and_masks(
+          mods.or_masks(mods.chunked(32), mods.sliding_window(8)), mods.causal())),
+          (((t // 32 == s // 32) | ((t - 8 <= s) & (s <= t))) & (s <= t))[None, None],
+          None, None, None),
+      "soft_cap": (dict(is_causal=True, score_mod=mods.soft_cap(2.0)), causal,
+                   *tanh_cap(2.0), None),
+      "alibi": (dict(is_causal=True, score_mod=mods.alibi(jnp.asarray(slopes))), causal,
+                lambda x: x + slopes[None, :, None, None] * (s - t), one, None),
+      "relative_bias": (dict(is_causal=True, score_mod=mods.relative_bias(jnp.asarray(table))),
+                        causal, lambda x: x + table[:, np.clip(s - t, -8, 8) + 8][None],
+                        one, None),
+      "sinks": (dict(is_causal=True, sinks=jnp.asarray(sinks)), causal, None, None, sinks),
+      "hand_written": (dict(mask_mod=lambda b, n, t, s: (s <= t) & ((t - s) % 3 != 1),
+                            score_mod=lambda x, b, n, t, s: x - 0.25 * n),
+                       ((s <= t) & ((t - s) % 3 != 1))[None, None],
+                       lambda x: x - 0.25 * np.arange(N)[None, :, None, None], one, None),
+      # queries t < 8 see no key: zeros, finite gradients
+      "empty_rows": (dict(mask_mod=lambda b, n, t, s: s < t - 7), (s < t - 7)[None, None],
+                     None, None, None),
+  }
+  return cases[name]
+
+
+CASES = ("none", "causal", "window", "kv_lengths", "segments", "mods_causal",
+         "mods_sliding_window", "mods_chunked", "mods_prefix_lm", "mods_document",
+         "mods_and_or", "soft_cap", "alibi", "relative_bias", "sinks", "hand_written",
+         "empty_rows")
+
+
+def _matrix():
+  """(implementation, case, dtype, shape): every case in bfloat16 at the base shape, the
+  other dtypes and shapes on a few cases that exercise different kernel paths."""
+  rows = [(i, c, "bfloat16", "base") for i in IMPLEMENTATIONS for c in CASES]
+  rows += [(i, c, d, "base") for i in IMPLEMENTATIONS
+           for c in ("causal", "mods_document", "alibi", "empty_rows")
+           for d in ("float32", "float16")]
+  rows += [(i, c, "bfloat16", shape) for i in IMPLEMENTATIONS
+           for c in ("none", "causal", "mods_document", "sinks", "empty_rows")
+           for shape in ("h128", "cross", "unaligned")]
+  if REHEARSAL:  # a few of each kind, interpreted
+    keep = {("flex_gpu", "alibi", "bfloat16", "base"), ("flex_gpu", "empty_rows", "float32", "base"),
+            ("pallas", "causal", "float16", "base"), ("xla", "sinks", "bfloat16", "cross"),
+            ("blockwise", "mods_document", "bfloat16", "unaligned"),
+            (None, "causal", "bfloat16", "h128"), ("cudnn", "causal", "bfloat16", "base")}
+    rows = [r for r in rows if r in keep]
+  return rows
+
+
+def _inputs(shape, dtype, seed=0):
+  B, T, S, N, K, H = SHAPES[shape]
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((B, T, N, H))
+  k, v = (rng.standard_normal((B, S, K, H)) for _ in "kv")
+  cot = rng.standard_normal((B, T, N, H))
+  # the reference sees the inputs as the implementation does: rounded to the dtype
+  q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+  return q, k, v, cot
+
+
+def _interpreting():
+  return pallas_interpret() if REHEARSAL else contextlib.nullcontext()
+
+
+def _relative_error(x, ref):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation,case,dtype,shape", _matrix())
+def test_values_and_gradients_against_float64(implementation, case, dtype, shape):
+  B, T, S, N, K, H = SHAPES[shape]
+  kw, allowed, score, d_score, sinks = _case(case, B, T, S, N)
+  q, k, v, cot = _inputs(shape, dtype)
+  with _interpreting():
+    report = jattn.explain(q, k, v, implementation=implementation, **kw)
+  if report.implementation("cuda") is None:
+    pytest.skip(f"refused on cuda: {report.choices['cuda'].error}")
+
+  def loss(q, k, v):
+    out = jattn.dot_product_attention(q, k, v, implementation=implementation, **kw)
+    return jnp.sum(out.astype(jnp.float32) * cot), out
+
+  with _interpreting():
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+        q, k, v)
+  want = reference_mods_vjp(q.astype(jnp.float32), k.astype(jnp.float32),
+                            v.astype(jnp.float32), cot, allowed=allowed, score=score,
+                            d_score=d_score, sinks=sinks)
+  tol = TOLERANCE[dtype]
+  ran = report.implementation("cpu" if REHEARSAL else "cuda")
+  if dtype == "float32" and ran == "pallas":
+    tol = TF32_TOLERANCE
+  assert out.dtype == jnp.dtype(dtype)
+  for name, got, ref in zip(("out", "d_query", "d_key", "d_value"), (out, *grads), want):
+    assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{name} is not finite"
+    err = _relative_error(got, ref)
+    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e} ({ran})"
+  if allowed is not None:  # a row with no visible key is zero
+    empty = ~np.broadcast_to(allowed, (B, N, T, S)).any(-1)  # [B, N, T]
+    assert np.all(np.asarray(out, np.float32)[np.einsum("bnt->btn", empty)] == 0)
+
+
+# ---- what runs is what explain names: the kernels in the lowered CUDA program
+
+KERNEL_NAMES = {  # implementation -> (a forward kernel, a backward kernel) in the program
+    "cudnn": ("__cudnn$fmha", "Backward"),
+    "pallas": ("mha_forward", "mha_backward"),
+    "flex_gpu": ("jattn_flex_gpu_fwd", "jattn_flex_gpu_dq"),
+}
+
+
+def kernels_in(text: str) -> str:
+  """The implementation a lowered CUDA program runs, read from its custom calls."""
+  if "__cudnn$fmha" in text:
+    return "cudnn"
+  # a Triton call's kernel name is its `name` attribute (the serialized kernels also carry
+  # source locations, which may name other kernels' functions)
+  kernels = set(re.findall(r'\bname = "(\w+)"', text))
+  for name in ("pallas", "flex_gpu"):
+    if KERNEL_NAMES[name][0] in kernels:
+      return name
+  # no kernel: the blockwise loop is a while loop over kv blocks, "xla" has none
+  return "blockwise" if "stablehlo.while" in text else "xla"
+
+
+def _lowered_for_cuda(fn, *args) -> str:
+  if ON_GPU:
+    return jax.jit(fn).lower(*args).as_text()
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  with jattn.lowering_for("cuda"):
+    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[triton])(
+        *args).mlir_module()
+
+
+DISPATCH_CASES = (("causal", "bfloat16", "base"), ("none", "float16", "h128"),
+                  ("mods_document", "bfloat16", "base"), ("alibi", "bfloat16", "base"),
+                  ("window", "bfloat16", "base"), ("segments", "bfloat16", "cross"),
+                  ("causal", "float32", "base"), ("empty_rows", "bfloat16", "unaligned"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype,shape", DISPATCH_CASES)
+def test_what_runs_is_what_explain_names(case, dtype, shape):
+  B, T, S, N, K, H = SHAPES[shape]
+  kw = _case(case, B, T, S, N)[0]
+  q, k, v, _ = _inputs(shape, dtype)
+  named = jattn.explain(q, k, v, **kw).implementation("cuda")
+  forward = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
+  grad = jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32)), (0, 1, 2))
+  forward_text, grad_text = _lowered_for_cuda(forward, q, k, v), _lowered_for_cuda(grad, q, k, v)
+  assert kernels_in(forward_text) == named, f"explain names {named}"
+  assert kernels_in(grad_text) == named, f"explain names {named}"
+  if named in ("pallas", "flex_gpu"):  # the backward is the kernel's too
+    assert KERNEL_NAMES[named][1] in re.findall(r'\bname = "(\w+)"', grad_text)
+  elif named == "cudnn":
+    assert re.search(r"__cudnn\$fmha\w*Backward", grad_text)

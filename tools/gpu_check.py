@@ -1,0 +1,170 @@
+"""The GPU check: one command that compiles every CUDA path on a lent GPU, checks it
+against float64, and times it against cuDNN, jax's kernels and PyTorch FlexAttention.
+
+    python tools/gpu_check.py [--out DIR] [--stages env tests bench sweep] [--budget S ...]
+    python tools/gpu_check.py --smoke --out /tmp/rehearsal   # on a CPU: the rehearsal
+
+Stages, in order, each in its own process with its own time budget; a stage that fails
+or runs out of time is recorded and the next one runs:
+  env    nvidia-smi, jax.print_environment_info(), torch's version and device
+  tests  the gpu-marked tests (tests/test_gpu.py, tests/test_flex_gpu.py) compiled on
+         the GPU: pytest -m gpu, a JUnit XML of every case
+  bench  benchmarks/gpu_kernels.py: flex_gpu, the default dispatch, cuDNN, Pallas mha,
+         torch FlexAttention and SDPA, bfloat16, H = 128, N = 16, T = 4k, 16k, 1k
+  sweep  benchmarks/gpu_kernels.py --sweep: flex_gpu's tiles, warps and stages (causal
+         and 16 documents at T = 4k)
+Everything lands in --out (default $OUT, else ./gpu_check_out): gpu_check.json (each
+stage's status, seconds, test counts and failures), bench.json, sweep.json, a log per
+stage and the tests' junit.xml: eight files at most, as the device tool returns.
+
+--smoke (a CPU, in the CI tier): the same stages at tiny sizes, the Pallas kernels
+interpreted, the tests' rehearsal subset (JATTN_GPU_REHEARSAL=1), torch on the CPU
+where installed. It checks that the script runs, not the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STAGES = ("env", "tests", "bench", "sweep")
+# seconds per stage on the GPU: the whole check fits 8 minutes with the machine's start
+BUDGET = {"env": 30, "tests": 200, "bench": 170, "sweep": 70}
+ENV_SCRIPT = """
+import jax
+jax.print_environment_info()
+print("devices:", jax.devices())
+try:
+  import torch
+  print("torch", torch.__version__, "cuda:", torch.cuda.is_available(),
+        torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+except ImportError as e:
+  print("torch unavailable:", e)
+"""
+
+
+def commands(stage: str, out: pathlib.Path, smoke: bool, budget: float,
+             extra: dict) -> list[list[str]]:
+  py = sys.executable
+  if stage == "env":
+    return ([["nvidia-smi"]] if not smoke else []) + [[py, "-c", ENV_SCRIPT]]
+  if stage == "tests":
+    workers = ["-n", "8"] if not smoke else []
+    return [[py, "-m", "pytest", "-v", "-rfEs", "-o", "addopts=", "-p", "no:cacheprovider",
+             "-m", "gpu", *workers, f"--junitxml={out / 'junit.xml'}",
+             *extra.get("tests", "tests/test_gpu.py tests/test_flex_gpu.py").split()]]
+  # the benchmark stops starting new timings with a margin for the running one
+  deadline = ["--deadline", str(max(1.0, budget - 40))]
+  smoke_flag = ["--smoke"] if smoke else []
+  if stage == "bench":
+    return [[py, "benchmarks/gpu_kernels.py", *deadline, *smoke_flag,
+             "--out", str(out / "bench.json"), *extra.get("bench", "").split()]]
+  if stage == "sweep":
+    return [[py, "benchmarks/gpu_kernels.py", "--sweep", "--lengths", "4096", "--cases",
+             "causal", "documents", "--rounds", "5", *deadline, *smoke_flag,
+             "--out", str(out / "sweep.json"), *extra.get("sweep", "").split()]]
+  raise ValueError(f"unknown stage {stage!r}; stages are {STAGES}")
+
+
+def run_stage(stage: str, out: pathlib.Path, smoke: bool, budget: float, extra: dict) -> dict:
+  env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1",
+             XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  if smoke:
+    env.update(JATTN_GPU_REHEARSAL="1", JAX_PLATFORMS="cpu")
+  record = dict(stage=stage, status="passed", seconds=0.0, commands=[])
+  start = time.perf_counter()
+  with open(out / f"{stage}.log", "w") as log:
+    for cmd in commands(stage, out, smoke, budget, extra):
+      left = budget - (time.perf_counter() - start)
+      log.write(f"$ {' '.join(cmd)}\n")
+      log.flush()
+      proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+      try:
+        rc = proc.wait(timeout=max(left, 1.0))
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # pytest's workers too
+        proc.wait()
+        rc = "timeout"
+      record["commands"].append(dict(cmd=" ".join(cmd), rc=rc))
+      if rc != 0:
+        record["status"] = "timed out" if rc == "timeout" else "failed"
+  record["seconds"] = round(time.perf_counter() - start, 1)
+  if stage == "tests":
+    record.update(junit_summary(out / "junit.xml", out / "tests.log"))
+  return record
+
+
+def junit_summary(path: pathlib.Path, log: pathlib.Path) -> dict:
+  """Counts and the failing cases (name and the first lines of the message); from the
+  verbose log's outcome lines when the run was stopped before writing its XML."""
+  if not path.exists():
+    outcomes = re.findall(r"\b(PASSED|FAILED|SKIPPED|ERROR) (tests/\S+)", log.read_text())
+    counts = {o: sum(1 for x, _ in outcomes if x == o) for o in ("PASSED", "FAILED",
+                                                                  "SKIPPED", "ERROR")}
+    return dict(junit="missing (the run did not finish): counts from the log", counts=counts,
+                failures=[dict(test=t, message="") for o, t in outcomes if o in ("FAILED",
+                                                                                  "ERROR")])
+  counts = dict(passed=0, failed=0, skipped=0, errors=0)
+  failures, skips = [], {}
+  for case in ET.parse(path).getroot().iter("testcase"):
+    name = f"{case.get('classname')}::{case.get('name')}"
+    bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+    skip = case.find("skipped")
+    if bad is not None:
+      counts["failed" if bad.tag == "failure" else "errors"] += 1
+      failures.append(dict(test=name, message=(bad.get("message") or "")[:600]))
+    elif skip is not None:
+      counts["skipped"] += 1
+      reason = (skip.get("message") or "")[:160]
+      skips[reason] = skips.get(reason, 0) + 1
+    else:
+      counts["passed"] += 1
+  return dict(counts=counts, failures=failures, skip_reasons=skips)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+  parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+  parser.add_argument("--budget", nargs="+", default=[], metavar="STAGE=SECONDS",
+                      help="override a stage's time budget, e.g. tests=120")
+  parser.add_argument("--tests", default=None,
+                      help="the tests stage's pytest arguments (default: the two gpu files)")
+  parser.add_argument("--bench-args", default="", help="more arguments of the bench stage")
+  parser.add_argument("--sweep-args", default="", help="more arguments of the sweep stage")
+  parser.add_argument("--smoke", action="store_true",
+                      help="the CPU rehearsal: tiny, interpreted, torch on the CPU")
+  args = parser.parse_args(argv)
+  budget = dict(BUDGET, **{k: float(v) for k, v in (b.split("=") for b in args.budget)})
+  out = pathlib.Path(args.out).resolve()
+  out.mkdir(parents=True, exist_ok=True)
+  summary = dict(smoke=args.smoke, started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                 stages=[])
+  for stage in args.stages:
+    extra = dict(bench=args.bench_args, sweep=args.sweep_args)
+    if args.tests:
+      extra["tests"] = args.tests
+    record = run_stage(stage, out, args.smoke, budget[stage], extra)
+    summary["stages"].append(record)
+    line = f"[gpu_check] {stage}: {record['status']} in {record['seconds']} s"
+    if "counts" in record:
+      line += f" {record['counts']}"
+    print(line, flush=True)
+    for failure in record.get("failures", []):
+      print(f"    FAILED {failure['test']}: {failure['message'][:300]}", flush=True)
+    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
+  return 0 if all(s["status"] == "passed" for s in summary["stages"]) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
