@@ -33,7 +33,7 @@ from tests.reference_grads import reference_mods_vjp
 
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 REHEARSAL = not ON_GPU and os.environ.get("JATTN_GPU_REHEARSAL") == "1"
-pytestmark = pytest.mark.skipif(not (ON_GPU or REHEARSAL),
+_NEEDS_GPU = pytest.mark.skipif(not (ON_GPU or REHEARSAL),
                                 reason="needs an NVIDIA GPU (or JATTN_GPU_REHEARSAL=1)")
 
 IMPLEMENTATIONS = ("cudnn", "pallas", "flex_gpu", "xla", "blockwise", None)
@@ -97,7 +97,7 @@ def _case(name, B, T, S, N):
                         one, None),
       "sinks": (dict(is_causal=True, sinks=jnp.asarray(sinks)), causal, None, None, sinks),
       "hand_written": (dict(mask_mod=lambda b, n, t, s: (s <= t) & ((t - s) % 3 != 1),
-                            score_mod=lambda x, b, n, t, s: x - 0.25 * n),
+                            score_mod=lambda x, b, n, t, s: x - 0.25 * n.astype(x.dtype)),
                        ((s <= t) & ((t - s) % 3 != 1))[None, None],
                        lambda x: x - 0.25 * np.arange(N)[None, :, None, None], one, None),
       # queries t < 8 see no key: zeros, finite gradients
@@ -152,6 +152,7 @@ def _relative_error(x, ref):
   return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
+@_NEEDS_GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation,case,dtype,shape", _matrix())
 def test_values_and_gradients_against_float64(implementation, case, dtype, shape):
@@ -225,6 +226,7 @@ DISPATCH_CASES = (("causal", "bfloat16", "base"), ("none", "float16", "h128"),
                   ("causal", "float32", "base"), ("empty_rows", "bfloat16", "unaligned"))
 
 
+@_NEEDS_GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,dtype,shape", DISPATCH_CASES)
 def test_what_runs_is_what_explain_names(case, dtype, shape):
@@ -241,3 +243,29 @@ def test_what_runs_is_what_explain_names(case, dtype, shape):
     assert KERNEL_NAMES[named][1] in re.findall(r'\bname = "(\w+)"', grad_text)
   elif named == "cudnn":
     assert re.search(r"__cudnn\$fmha\w*Backward", grad_text)
+
+
+# ---- in CI, on the CPU: every case's CUDA program lowers (Pallas -> Triton) from this host.
+# Interpret mode does not run Triton's lowering rules; a rule that refuses what the kernel
+# emits (the H200 run found one: a negated literal from mods.chunked's floor division)
+# breaks only on a GPU, or here.
+
+LOWERED_SHAPE = (1, 128, 128, 2, 1, 64)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("mods_") or c in (
+    "soft_cap", "alibi", "relative_bias", "hand_written", "empty_rows")])
+def test_every_mods_case_lowers_for_cuda_forward_and_backward(case):
+  B, T, S, N, K, H = LOWERED_SHAPE
+  kw = _case(case, B, T, S, N)[0]
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16)
+  named = jattn.explain(q, kv, kv, **kw).implementation("cuda")
+  assert named in ("pallas", "flex_gpu"), named  # a mask or score function: a kernel
+  forward = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
+  grad = jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32)), (0, 1, 2))
+  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+  with jattn.lowering_for("cuda"):
+    text = export.export(jax.jit(grad), platforms=["cuda"], disabled_checks=[triton])(
+        q, kv, kv).mlir_module()
+  assert set(KERNEL_NAMES[named]) <= set(re.findall(r'\bname = "(\w+)"', text))
