@@ -232,6 +232,8 @@ def measure(args, out: dict, deadline: float):
           except Exception as e:  # noqa: BLE001 (recorded, not fatal)
             out["errors"].append(dict(T=T, case=case, contender="torch", error=repr(e)[:500]))
             contenders = {}
+          if torch_device == "cpu" and backward:  # FlexAttention has no CPU backward
+            contenders.pop("torch_flex", None)
           for name, fn in contenders.items():
             timers[name] = _guarded(out, (T, case, pass_, name),
                                     lambda: torch_timer(fn, th, backward))

@@ -2,6 +2,7 @@
 this CPU): nobody here can run them for real, so this is what keeps them from rotting
 until a TPU or GPU owner does. Slow tier: each script compiles a dozen programs."""
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -18,3 +19,22 @@ def test_kernel_benchmark_runs_in_smoke_mode(script):
                         capture_output=True, text=True, timeout=600, cwd="/")
   assert done.returncode == 0, done.stderr[-3000:]
   assert "fwd+bwd" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_gpu_check_rehearses_every_stage_on_this_cpu(tmp_path):
+  """tools/gpu_check.py --smoke: the GPU check's stages at tiny sizes (the rehearsal
+  subset of tests/test_gpu.py interpreted and exported, the benchmark and the tile sweep
+  interpreted), so the prepared command cannot rot between sessions that have a GPU."""
+  done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--smoke",
+                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+  summary = json.loads((tmp_path / "gpu_check.json").read_text())
+  stages = {s["stage"]: s for s in summary["stages"]}
+  assert list(stages) == ["env", "tests", "bench", "sweep"], done.stdout[-2000:]
+  assert all(s["status"] == "passed" for s in stages.values()), done.stdout[-3000:]
+  counts = stages["tests"]["counts"]
+  assert counts["passed"] >= 10 and counts["failed"] == counts["errors"] == 0, counts
+  for name in ("bench", "sweep"):
+    results = json.loads((tmp_path / f"{name}.json").read_text())
+    assert results["results"] and not results["errors"], results["errors"]
+  assert done.returncode == 0
