@@ -107,10 +107,10 @@ def _attention_with_lse(implementation, q, k, v, sinks):
         **kwargs)
 
 
+# every dense implementation in CI: a planted bug that left the empty row's lse at the
+# empty-row constant in "xla" passed the CI tier while these were in the slow one
 @pytest.mark.parametrize("implementation", [
-    "blockwise", pytest.param("xla", marks=pytest.mark.thorough),
-    pytest.param("vmap", marks=pytest.mark.thorough),
-    pytest.param("ring", marks=pytest.mark.thorough),
+    "blockwise", "xla", "vmap", pytest.param("ring", marks=pytest.mark.thorough),
     pytest.param("flex_tpu", marks=(pytest.mark.thorough, pytest.mark.interpret)),
     pytest.param("flex_gpu", marks=(pytest.mark.thorough, pytest.mark.interpret))])
 def test_residual_of_a_row_with_no_key_is_the_sink(implementation):
