@@ -29,13 +29,14 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.kernels import kernel_plan, kernel_vjp
 from jattn._src.kernels.kernel_plan import round_up
-from jattn._src.kernels.flex_tpu_kernels import LANES as _LANES, backward, forward
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this wide
 # The block tables' SMEM budget (int32 entries, 256 KiB): past it the kernel runs
 # every tile (the same values, no skipping). Not measured against a TPU's SMEM.
 _MAX_TABLE_ENTRIES = 1 << 16
@@ -79,9 +80,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   ring step); run it with `step_forward` / `step_backward`.
   """
   m = modifiers
-  reason = kernel_plan.common_refusal(B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype,
-                                      dtypes=_DTYPES, modifiers=m,
-                                      return_weights=return_weights, platform="TPU")
+  reason = compat.missing("pallas_tpu") or kernel_plan.common_refusal(
+      B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype, dtypes=_DTYPES, modifiers=m,
+      return_weights=return_weights, platform="TPU")
   if reason:
     return reason
   st = m.structure
@@ -93,15 +94,15 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   if isinstance(facts, str):
     return facts
   has_mask, score_reads, score_tables = facts.has_mask, facts.score_reads, facts.score_tables
-  if len(score_reads) > _LANES:
+  if len(score_reads) > LANES:
     return (f"score_mod reads captured float arrays {len(score_reads)} times per entry "
-            f"(the backward returns at most {_LANES} read gradients per tile)")
+            f"(the backward returns at most {LANES} read gradients per tile)")
   block_q = min(block_q or 128, round_up(T, 8))
-  block_kv = min(block_kv or 512, round_up(S, _LANES))
+  block_kv = min(block_kv or 512, round_up(S, LANES))
   if score_tables and facts.table_width > block_kv:
     return (f"score_mod: a table of width {facts.table_width} read at positions; the kernel "
             f"gathers from at most block_kv = {block_kv} entries")
-  if block_q % 8 or block_kv % _LANES:
+  if block_q % 8 or block_kv % LANES:
     return (f"tiles block_q = {block_q}, block_kv = {block_kv}: block_q must be a "
             "multiple of 8 and block_kv of 128")
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
@@ -113,6 +114,20 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, facts.has_score, bool(interpret), score_reads, skip,
               facts.mask_rows, score_tables, bool(offsets))
+
+
+def _kernels():
+  """The Pallas TPU kernels' module, imported on first use (the plan checked its API)."""
+  from jattn._src.kernels import flex_tpu_kernels
+  return flex_tpu_kernels
+
+
+def forward(*args):
+  return _kernels().forward(*args)
+
+
+def backward(*args):
+  return _kernels().backward(*args)
 
 
 # -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
