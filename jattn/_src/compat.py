@@ -16,6 +16,7 @@ import importlib
 import warnings
 
 import jax
+import numpy as np
 
 
 def _module(module: str, *names: str):
@@ -98,3 +99,18 @@ def load(api: str):
 def refresh() -> None:
   """Forgets every answer (tests that take an API away and put it back)."""
   _loaded.cache_clear()
+
+
+def open_jaxpr(closed):
+  """(jaxpr, consts) of what `jax.make_jaxpr` returns: the equations, whose
+  `constvars` stand for the captured arrays, and those arrays apart (pytree leaves).
+
+  From jax 0.11 a Jaxpr carries its consts (ClosedJaxpr merged into Jaxpr): kept
+  static (a pytree's aux data, a jit cache key) it would keep the captured arrays,
+  or a trace's tracers, alive. There the constvars get shape-only stand-ins;
+  `jax.core.eval_jaxpr(jaxpr, consts, ...)` reads the values from `consts`."""
+  consts = tuple(closed.consts)
+  jaxpr = closed.jaxpr
+  if consts and getattr(jaxpr, "consts", None):  # jax >= 0.11
+    jaxpr = jaxpr.with_consts([jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts])
+  return jaxpr, consts
