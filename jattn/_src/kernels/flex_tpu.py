@@ -122,19 +122,19 @@ def _kernels():
   return flex_tpu_kernels
 
 
-def forward(*args):
+def _forward(*args):
   return _kernels().forward(*args)
 
 
-def backward(*args):
+def _backward(*args):
   return _kernels().backward(*args)
 
 
 # -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
 # jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
 run = kernel_vjp.kernel_run(
-    lambda plan_, layout, q, k, v, modifiers: forward(plan_, layout, q, k, v, modifiers.mods),
-    lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: backward(
+    lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods),
+    lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
         plan_, layout, q, k, v, modifiers.mods, out, lse, d_out))
 
 
@@ -150,7 +150,7 @@ def step_forward(plan_: Plan, layout: Layout, query, key, value, mods, q_offset,
   `offsets=True` for these T, S."""
   mods = None if mods is None else mods.traced()
   plan_ = kernel_plan.for_trace(plan_, mods)
-  return forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
+  return _forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
 
 
 def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Modifiers,
@@ -160,7 +160,7 @@ def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Mod
   score_mod's float arrays' gradients (None for the others))."""
   mods = None if modifiers.mods is None else modifiers.mods.traced()
   plan_ = kernel_plan.for_trace(plan_, mods)
-  d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out,
+  d_q, d_k, d_v, d_consts = _backward(plan_, layout, query, key, value, mods, out, lse, d_out,
                                      _offsets(q_offset, kv_offset))
   if plan_.score_tables:
     d_consts = kernel_vjp.blockwise_score_grads(plan_, layout, query, key, value,
