@@ -242,9 +242,10 @@ def test_dropout_matches_dense_reference_with_the_same_draw():
       jax.random.fold_in(jax.random.fold_in(rng, i), j), 1 - rate, (B, N, 8, 8)
   ).astype(jnp.float32) / (1 - rate)
   # keep [B, N, T, S]: block (i, j) drawn from the global positions of its corner
-  keep = jax.jit(lambda: jnp.concatenate([jnp.concatenate(
-      [draw(i, j) for j in range(0, Sp, 8)], axis=3) for i in range(0, Tp, 8)], axis=2))()
-  keep = keep[:, :, :T, :S]
+  # (vmapped over the corners: one draw to compile, not one per block)
+  rows = jax.vmap(jax.vmap(draw, (None, 0), 3), (0, None), 2)(
+      jnp.arange(0, Tp, 8), jnp.arange(0, Sp, 8))  # [B, N, Tp / 8, 8, Sp / 8, 8]
+  keep = rows.reshape(B, N, Tp, Sp)[:, :, :T, :S]
 
   def reference(q, k, v):
     kk, vv = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
@@ -255,7 +256,8 @@ def test_dropout_matches_dense_reference_with_the_same_draw():
   def blockwise(q, k, v):
     return jattn.dot_product_attention(q, k, v, is_causal=True, implementation="blockwise",
                                        dropout_rate=rate, dropout_rng=rng, block_sizes=BS)
-  loss = lambda fn: jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), (0, 1, 2))(q, k, v)
+  loss = lambda fn: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), (0, 1, 2)))(
+      q, k, v)
   (lr, gr), (lb, gb) = loss(reference), loss(blockwise)
   np.testing.assert_allclose(lb, lr, rtol=1e-5)
   for a, b in zip(gb, gr):

@@ -3,6 +3,10 @@ kernel is lowered for the platform that takes it, under jax.grad and jax.vmap to
 and raises only when lowered where it cannot run; `explain` and `explain_calls`
 report it. Values on this CPU against float64 NumPy."""
 
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +41,39 @@ def test_a_refused_platform_under_grad_and_vmap():
   for fn, x in ((grad, Q), (vmapped, stacked)):
     with raises(ValueError, ON_CPU):
       fn(x)
+
+
+# jattn's refusal of an explicit implementation on a platform it cannot run on is a
+# primitive bound with no operands: it needs no batching or differentiation rule, so
+# jattn reads neither jax's `batching.primitive_batchers` (a compatibility shim in jax)
+# nor `ad.primitive_jvps`. Deleted before the import, grad and vmap still export.
+_NO_RULES = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+    from jax.interpreters import ad, batching
+    for module, name in ((batching, "primitive_batchers"), (batching, "fancy_primitive_batchers"),
+                         (batching, "axis_primitive_batchers"), (ad, "primitive_jvps")):
+        delattr(module, name)
+    import jattn
+    from jax import export
+    splash = lambda q: jattn.dot_product_attention(q, q, q, is_causal=True,
+                                                   implementation="splash")
+    q = jnp.ones((1, 128, 2, 64))
+    grad = jax.jit(jax.grad(lambda q: jnp.sum(splash(q) ** 2)))
+    vmapped = jax.jit(jax.vmap(splash))
+    for fn, x in ((grad, q), (vmapped, jnp.stack([q, q]))):
+        assert "tpu_custom_call" in export.export(fn, platforms=["tpu"])(x).mlir_module()
+        try:
+            fn(x)
+        except ValueError as e:
+            print(str(e).split(":")[0])
+""")
+
+
+def test_the_refusal_needs_no_batching_or_jvp_registry():
+  run = subprocess.run([sys.executable, "-c", _NO_RULES], capture_output=True, text=True)
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.splitlines() == [
+      "implementation='splash' cannot run this call on 'cpu'"] * 2, run.stdout
 
 
 def test_a_choice_shared_by_every_platform_runs_here():

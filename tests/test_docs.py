@@ -10,9 +10,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.docs_build
 def test_mkdocs_build_strict(tmp_path):
   env = dict(os.environ, NO_MKDOCS_2_WARNING="1",
              PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

@@ -57,8 +57,9 @@ def _exported(fn, platform, kv_heads, dtype=jnp.bfloat16):
   q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
   kv = jax.ShapeDtypeStruct((B, T, kv_heads, H), dtype)
   checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
-  return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
-      q, kv, kv).mlir_module()
+  with jattn.lowering_for(platform):  # CUDA from this host: an abstract GPU (jax >= 0.11)
+    return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+        q, kv, kv).mlir_module()
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

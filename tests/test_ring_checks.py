@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 import jattn
 from jattn import mods
@@ -212,7 +212,10 @@ def test_explicit_axes_keep_the_querys_sharding():
         jax.sharding.AxisType.Auto,)))
 
 
-def test_explain_ring_steps_on_an_abstract_mesh():
+# An AbstractMesh's axes are Auto by default on jax 0.10 and Explicit from 0.11.1: both
+# kinds on every jax.
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_explain_ring_steps_on_an_abstract_mesh(kind):
   """What each ring step runs, traced on shapes alone over data x seq x model = 2 x 2 x 2:
   one device's step is B / 2 rows, N / 2 and K / 2 heads, T / 2 queries against S / 2 keys
   (halved again by the zig-zag order); blockwise on CPU with block sizes clipped to one
@@ -222,7 +225,7 @@ def test_explain_ring_steps_on_an_abstract_mesh():
   q, k, v = sd(4, 32, 4, 8), sd(4, 48, 2, 8), sd(4, 48, 2, 16)
 
   def steps(**kw):
-    mesh = abstract(data=2, seq=2, model=2)
+    mesh = AbstractMesh((2, 2, 2), ("data", "seq", "model"), axis_types=(kind,) * 3)
     with jattn.explain_calls() as reports:
       jax.eval_shape(lambda q, k, v: jattn.ring_attention(
           q, k, v, mesh=mesh, batch_axis_name="data", head_axis_name="model", **kw), q, k, v)

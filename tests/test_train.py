@@ -18,6 +18,10 @@ import training  # noqa: E402
 from configs import tiny  # noqa: E402
 
 
+# the example's smoke tests: on one CI leg (the library's own tests run on both)
+pytestmark = pytest.mark.training
+
+
 def _params(state):
   return jax.tree.leaves(jax.tree.map(np.asarray, state["params"]))
 

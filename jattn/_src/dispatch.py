@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import mlir
 
 from jattn._src.impl.registry import IMPLEMENTATIONS, PLATFORMS, preference
 
@@ -175,8 +175,9 @@ def per_platform(branches: dict, *args):
         shapes = jax.eval_shape(runnable, *args)
       leaves, tree = jax.tree.flatten(shapes)
       avals = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves)
-      return jax.tree.unflatten(tree, _refused_p.bind(*jax.tree.leaves(args), error=error,
-                                                       avals=avals))
+      # No operands: nothing for vmap or grad to see, so the primitive needs no
+      # batching or differentiation rule (platform_dependent broadcasts it under vmap).
+      return jax.tree.unflatten(tree, _refused_p.bind(error=error, avals=avals))
     return fn
 
   # One callable per key: platform_dependent joins platforms whose branches are
@@ -238,31 +239,13 @@ def _compute(query, key, value, modifiers, *, layout, choices, return_weights,
 # (and only when) the program is lowered for that platform.
 
 
-def _refuse(*args, error, avals):
+def _refuse(*, error, avals):
   raise ValueError(error)
-
-
-def _refused_abstract_eval(*args, error, avals):
-  return avals
-
-
-def _refused_jvp(primals, tangents, *, error, avals):
-  outs = _refused_p.bind(*primals, error=error, avals=avals)
-  return outs, [ad.Zero(a.to_tangent_aval()) for a in avals]
-
-
-def _refused_batch(args, dims, *, error, avals):
-  # an unmapped argument's dim is None (jax 0.10 has no batching.not_mapped any more)
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-  batched = tuple(jax.core.ShapedArray((size, *a.shape), a.dtype) for a in avals)
-  return _refused_p.bind(*args, error=error, avals=batched), (0,) * len(avals)
 
 
 _refused_p = Primitive("jattn_refused_implementation")
 _refused_p.multiple_results = True
 _refused_p.def_impl(_refuse)
-_refused_p.def_abstract_eval(_refused_abstract_eval)
-ad.primitive_jvps[_refused_p] = _refused_jvp
-batching.primitive_batchers[_refused_p] = _refused_batch
-mlir.register_lowering(_refused_p, lambda ctx, *args, error, avals: _refuse(error=error,
-                                                                              avals=avals))
+_refused_p.def_abstract_eval(lambda *, error, avals: avals)
+mlir.register_lowering(_refused_p, lambda ctx, *, error, avals: _refuse(error=error,
+                                                                        avals=avals))

@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 
@@ -32,10 +33,12 @@ class CudnnPlan:
 @functools.lru_cache(maxsize=1)
 def cudnn_missing() -> str | None:
   """Why jax cannot build a cuDNN call on this host (jax.nn raises then), or None."""
+  reason = compat.missing("cudnn_check")  # a private jax name
+  if reason is not None:
+    return reason
   try:
-    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
-    check_cudnn_version()
-  except (ImportError, RuntimeError) as e:
+    compat.load("cudnn_check")()
+  except RuntimeError as e:
     return f"cuDNN is not detected on this host ({type(e).__name__}: {e})"
   return None
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn._src import compat
 from jattn._src.impl.kernel_plans import PALLAS_BLOCK, PallasPlan, SplashPlan, find_document
 from jattn._src.impl.splash_mask import splash_mask
 
@@ -24,9 +25,7 @@ def _block(n: int) -> int:
 @functools.lru_cache(maxsize=32)
 def _splash_kernel(plan: SplashPlan, T: int, S: int, heads: int, mqa: bool,
                    save_residuals: bool):
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-
+  sk, sm = compat.load("splash_kernel"), compat.load("splash_mask")
   mask = sm.MultiHeadMask([splash_mask(plan.mask, T, S)] * heads)
   bq, bkv = _block(T), _block(S)
   sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq,
@@ -43,8 +42,7 @@ def _splash_kernel(plan: SplashPlan, T: int, S: int, heads: int, mqa: bool,
 
 def _run_splash(plan, q, k, v, q_ids, kv_ids, sinks, save_residuals):
   """q [B, N, T, H], k/v [B, K, S, H] -> out [B, N, T, H] (and lse [B, N, T])."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-
+  sk = compat.load("splash_kernel")
   B, N, T, H = q.shape
   K, S = k.shape[1], k.shape[2]
   G = N // K
@@ -103,8 +101,7 @@ def splash_attention(q, k, v, *, q_ids, kv_ids, q_lengths, kv_lengths, sinks, sc
 
 def pallas_attention(q, k, v, *, ids, plan: PallasPlan):
   """q [B, T, N, H], k/v [B, S, K, H]; ids int [B, T] or None -> out [B, T, N, H]."""
-  from jax.experimental.pallas.ops.gpu import attention as gpu_attention
-
+  gpu_attention = compat.load("pallas_mha")
   N, K = q.shape[2], k.shape[2]
   if K != N:  # the kernel has no grouped heads: repeat K and V (a copy)
     k, v = (jnp.repeat(x, N // K, axis=2) for x in (k, v))

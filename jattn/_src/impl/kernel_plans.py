@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from jattn import mods as M
+from jattn._src import compat
 
 # splash's kernels tile T and S by blocks of a multiple of 128 (TPU lanes).
 SPLASH_TILE = 128
@@ -25,6 +26,14 @@ PALLAS_BLOCK = 128
 
 class _Cannot(Exception):
   pass
+
+
+def _check_api(*apis: str) -> None:
+  """The jax APIs the kernel is called through: _Cannot when this jax lacks one."""
+  for api in apis:
+    reason = compat.missing(api)
+    if reason is not None:
+      raise _Cannot(reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +125,7 @@ def _common(call):
 def splash_plan(call, platform: str):
   """A `SplashPlan` when jax's splash kernel computes `call` exactly, else the reason."""
   try:
+    _check_api("splash_kernel", "splash_mask", "splash_computable_mask")
     _common(call)
     if str(call.dtype) not in ("float32", "bfloat16"):
       raise _Cannot(f"it takes float32 or bfloat16, got query dtype {call.dtype}")
@@ -163,6 +173,7 @@ def splash_plan(call, platform: str):
 def pallas_plan(call, platform: str):
   """A `PallasPlan` when jax's Pallas GPU flash kernel computes `call`, else the reason."""
   try:
+    _check_api("pallas_mha")
     _common(call)
     # its running max and sum are float32: a float64 call cannot even be traced
     if str(call.dtype) not in ("float16", "bfloat16", "float32"):

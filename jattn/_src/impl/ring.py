@@ -333,7 +333,8 @@ def _home(query, layout: Layout, mesh):
   if not explicit:
     return lambda out, lse: (out, lse)
   _check_placement("query", query, mesh)
-  spec = jax.typeof(query).sharding.spec._normalized_spec_for_aval(query.ndim)
+  # a spec may be shorter than the rank: the letters past its end are unsharded (None)
+  spec = jax.typeof(query).sharding.spec
   axis = {letter: _only(entry, explicit) for letter, entry in zip(layout.query, spec)}
   at = lambda letters: NamedSharding(mesh, PartitionSpec(*(axis.get(c) for c in letters)))
   rows = layout.query.replace("H", "")
@@ -343,7 +344,9 @@ def _home(query, layout: Layout, mesh):
 
 def _only(entry, axes):
   """A PartitionSpec entry restricted to `axes` (None when none is left)."""
-  names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    return None
+  names = (entry,) if isinstance(entry, str) else tuple(entry)
   kept = tuple(a for a in names if a in axes)
   return None if not kept else kept[0] if len(kept) == 1 else kept
 

@@ -20,6 +20,8 @@ import functools
 
 import numpy as np
 
+from jattn._src import compat
+
 FULL, EMPTY, PARTIAL = "full", "empty", "partial"
 
 
@@ -93,9 +95,9 @@ def block_class(expr: tuple, t0: int, t1: int, s0: int, s1: int) -> str:
 @functools.lru_cache(maxsize=None)
 def _mask_class():
   """The splash mask class, made on first use (splash is imported only then)."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  computable_mask = compat.load("splash_computable_mask")  # private: splash's in-kernel masks
 
-  class ExpressionMask(sm._ComputableMask):  # splash's base class of in-kernel masks
+  class ExpressionMask(computable_mask):
     """A jattn mask expression over a [T, S] grid, as splash's computable mask."""
 
     def __init__(self, expr: tuple, shape: tuple[int, int]):

@@ -39,9 +39,9 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
-from jattn._src.kernels import flex_gpu_kernels as kernels
 from jattn._src.kernels import kernel_plan, kernel_vjp
 from jattn._src.kernels.kernel_vjp import batched, without_batch
 
@@ -111,9 +111,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   interpret: run the Pallas kernels in interpret mode (any backend, for tests).
   """
   m = modifiers
-  reason = kernel_plan.common_refusal(B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype,
-                                      dtypes=_DTYPES, modifiers=m,
-                                      return_weights=return_weights, platform="GPU")
+  reason = compat.missing("pallas_triton") or kernel_plan.common_refusal(
+      B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype, dtypes=_DTYPES, modifiers=m,
+      return_weights=return_weights, platform="GPU")
   if reason:
     return reason
   st = m.structure
@@ -151,13 +151,19 @@ def launch_parameters(*, block_q: int, block_kv: int, num_warps: int, num_stages
     _LAUNCH.reset(token)
 
 
+def _kernels():
+  """The Pallas Triton kernels' module, imported on first use (the plan checked its API)."""
+  from jattn._src.kernels import flex_gpu_kernels
+  return flex_gpu_kernels
+
+
 def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
   """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T])."""
-  out, lse = kernels.forward(p, layout, query, key, value, modifiers)
+  out, lse = _kernels().forward(p, layout, query, key, value, modifiers)
   out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
   return without_batch(out, layout), lse[:, :, :p.T]
 
 
 # -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
 # jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
-run = kernel_vjp.kernel_run(_forward, kernels.backward)
+run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))

@@ -29,13 +29,14 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.modifiers import Modifiers
 from jattn._src.kernels import kernel_plan, kernel_vjp
 from jattn._src.kernels.kernel_plan import round_up
-from jattn._src.kernels.flex_tpu_kernels import LANES as _LANES, backward, forward
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this wide
 # The block tables' SMEM budget (int32 entries, 256 KiB): past it the kernel runs
 # every tile (the same values, no skipping). Not measured against a TPU's SMEM.
 _MAX_TABLE_ENTRIES = 1 << 16
@@ -79,9 +80,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   ring step); run it with `step_forward` / `step_backward`.
   """
   m = modifiers
-  reason = kernel_plan.common_refusal(B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype,
-                                      dtypes=_DTYPES, modifiers=m,
-                                      return_weights=return_weights, platform="TPU")
+  reason = compat.missing("pallas_tpu") or kernel_plan.common_refusal(
+      B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype, dtypes=_DTYPES, modifiers=m,
+      return_weights=return_weights, platform="TPU")
   if reason:
     return reason
   st = m.structure
@@ -93,15 +94,15 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   if isinstance(facts, str):
     return facts
   has_mask, score_reads, score_tables = facts.has_mask, facts.score_reads, facts.score_tables
-  if len(score_reads) > _LANES:
+  if len(score_reads) > LANES:
     return (f"score_mod reads captured float arrays {len(score_reads)} times per entry "
-            f"(the backward returns at most {_LANES} read gradients per tile)")
+            f"(the backward returns at most {LANES} read gradients per tile)")
   block_q = min(block_q or 128, round_up(T, 8))
-  block_kv = min(block_kv or 512, round_up(S, _LANES))
+  block_kv = min(block_kv or 512, round_up(S, LANES))
   if score_tables and facts.table_width > block_kv:
     return (f"score_mod: a table of width {facts.table_width} read at positions; the kernel "
             f"gathers from at most block_kv = {block_kv} entries")
-  if block_q % 8 or block_kv % _LANES:
+  if block_q % 8 or block_kv % LANES:
     return (f"tiles block_q = {block_q}, block_kv = {block_kv}: block_q must be a "
             "multiple of 8 and block_kv of 128")
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
@@ -115,11 +116,25 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
               facts.mask_rows, score_tables, bool(offsets))
 
 
+def _kernels():
+  """The Pallas TPU kernels' module, imported on first use (the plan checked its API)."""
+  from jattn._src.kernels import flex_tpu_kernels
+  return flex_tpu_kernels
+
+
+def _forward(*args):
+  return _kernels().forward(*args)
+
+
+def _backward(*args):
+  return _kernels().backward(*args)
+
+
 # -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
 # jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
 run = kernel_vjp.kernel_run(
-    lambda plan_, layout, q, k, v, modifiers: forward(plan_, layout, q, k, v, modifiers.mods),
-    lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: backward(
+    lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods),
+    lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
         plan_, layout, q, k, v, modifiers.mods, out, lse, d_out))
 
 
@@ -135,7 +150,7 @@ def step_forward(plan_: Plan, layout: Layout, query, key, value, mods, q_offset,
   `offsets=True` for these T, S."""
   mods = None if mods is None else mods.traced()
   plan_ = kernel_plan.for_trace(plan_, mods)
-  return forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
+  return _forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
 
 
 def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Modifiers,
@@ -145,7 +160,7 @@ def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Mod
   score_mod's float arrays' gradients (None for the others))."""
   mods = None if modifiers.mods is None else modifiers.mods.traced()
   plan_ = kernel_plan.for_trace(plan_, mods)
-  d_q, d_k, d_v, d_consts = backward(plan_, layout, query, key, value, mods, out, lse, d_out,
+  d_q, d_k, d_v, d_consts = _backward(plan_, layout, query, key, value, mods, out, lse, d_out,
                                      _offsets(q_offset, kv_offset))
   if plan_.score_tables:
     d_consts = kernel_vjp.blockwise_score_grads(plan_, layout, query, key, value,

@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
+from jattn._src.kernels.flex_tpu import LANES
 from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL
@@ -26,7 +27,6 @@ from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL
 if TYPE_CHECKING:
   from jattn._src.kernels.flex_tpu import Plan
 
-LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this wide
 _LANES = LANES
 
 # ---------------------------------------------------------------- shared pieces

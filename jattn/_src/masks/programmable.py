@@ -19,6 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jattn._src import compat
 from jattn._src.core import checks as _checks
 from jattn._src.masks.closed_form_blocks import is_closed_form
 
@@ -71,7 +72,8 @@ class Mods:
     if self.is_traced:
       return self
     closed = _trace("mask_mod", self.mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool")
-    return dataclasses.replace(self, mask_jaxpr=closed.jaxpr, mask_consts=tuple(closed.consts))
+    jaxpr, consts = compat.open_jaxpr(closed)
+    return dataclasses.replace(self, mask_jaxpr=jaxpr, mask_consts=consts)
 
   @property
   def is_cacheable(self) -> bool:
@@ -168,7 +170,8 @@ def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
   if mask_mod is not None:
     _check_arity("mask_mod", mask_mod, 4, _MASK_CALL)
     closed = _trace("mask_mod", mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool")
-    fields.update(mask_jaxpr=closed.jaxpr, mask_consts=tuple(closed.consts))
+    jaxpr, consts = compat.open_jaxpr(closed)
+    fields.update(mask_jaxpr=jaxpr, mask_consts=consts)
     if is_closed_form(mask_mod):
       fields["mask_mod"] = mask_mod
       if defer_ready_made:  # checked above; traced again inside jit by Mods.traced
@@ -177,7 +180,8 @@ def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
     call = "(score, b, n, t, s) -> float"
     _check_arity("score_mod", score_mod, 5, call)
     closed = _trace("score_mod", score_mod, (_SCORE,) + (_INDEX,) * 4, call, "float")
-    fields.update(score_jaxpr=closed.jaxpr, score_consts=tuple(closed.consts))
+    jaxpr, consts = compat.open_jaxpr(closed)
+    fields.update(score_jaxpr=jaxpr, score_consts=consts)
   if sinks is not None:
     sinks = _checks.float_array("sinks", sinks)
     if sinks.shape != (N,):

@@ -1,0 +1,116 @@
+"""Which optional jax APIs this jax has, and if one is missing, why.
+
+jattn's fused kernels stand on jax APIs that are experimental (splash, Pallas'
+GPU `mha`, the Pallas Triton and TPU backends) or private (cuDNN detection,
+splash's `_ComputableMask`); they move between jax releases. Each is imported
+here on first use, never at `import jattn`. `missing(api)` is None when this jax
+has it, else the reason in words: the implementation that needs it refuses its
+plan with that reason, so implementation=None falls back and `jattn.explain`
+says why. `load(api)` gives the module or object itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+
+import jax
+import numpy as np
+
+
+def _module(module: str, *names: str):
+  """A loader: imports `module`, checks that it has every name in `names`, returns it."""
+  def load():
+    found = importlib.import_module(module)
+    for name in names:
+      getattr(found, name)
+    return found
+  load.module, load.names, load.what = module, names, f"{module} ({', '.join(names)})"
+  return load
+
+
+def _attribute(module: str, name: str):
+  """A loader of one attribute (maybe private) of `module`."""
+  def load():
+    return getattr(importlib.import_module(module), name)
+  load.module, load.names, load.what = module, (name,), f"{module}.{name}"
+  return load
+
+
+_SPLASH = "jax.experimental.pallas.ops.tpu.splash_attention"
+
+# api -> (loader, what needs it)
+APIS = {
+    "splash_kernel": (_module(f"{_SPLASH}.splash_attention_kernel", "make_splash_mha",
+                              "make_splash_mqa", "BlockSizes", "SegmentIds"),
+                      "the 'splash' implementation"),
+    "splash_mask": (_module(f"{_SPLASH}.splash_attention_mask", "MultiHeadMask"),
+                    "the 'splash' implementation"),
+    # private: splash's base class of masks computed in the kernel
+    "splash_computable_mask": (_attribute(f"{_SPLASH}.splash_attention_mask",
+                                          "_ComputableMask"), "the 'splash' implementation"),
+    "pallas_mha": (_module("jax.experimental.pallas.ops.gpu.attention", "mha", "BlockSizes"),
+                   "the 'pallas' implementation"),
+    "pallas_triton": (_module("jax.experimental.pallas.triton", "CompilerParams"),
+                      "the 'flex_gpu' kernel"),
+    "pallas_tpu": (_module("jax.experimental.pallas.tpu", "PrefetchScalarGridSpec", "VMEM",
+                           "CompilerParams"), "the 'flex_tpu' kernel"),
+    # private: jax.nn's own test of whether cuDNN can be called
+    "cudnn_check": (_attribute("jax._src.cudnn.fused_attention_stablehlo",
+                               "check_cudnn_version"), "the 'cudnn' implementation"),
+}
+
+# Importing these modules warns that they are deprecated (jax >= 0.11.1 for the
+# GPU `mha`). That is jattn's business, not its users': a CPU user's default
+# call traces the CUDA branch, and the warning would reach them for nothing.
+_DEPRECATED_ON_IMPORT = ("pallas_mha",)
+
+
+@functools.lru_cache(maxsize=None)
+def _loaded(api: str):
+  """(the loaded object, None) or (None, the reason it is missing)."""
+  loader, _ = APIS[api]
+  try:
+    with warnings.catch_warnings():
+      if api in _DEPRECATED_ON_IMPORT:
+        warnings.simplefilter("ignore", DeprecationWarning)
+      return loader(), None
+  except (ImportError, AttributeError) as e:
+    return None, (f"it needs {loader.what}, which jax {jax.__version__} lacks "
+                  f"({type(e).__name__}: {e})")
+
+
+def missing(api: str) -> str | None:
+  """None when this jax has `api` (a key of `APIS`), else why not, in words."""
+  return _loaded(api)[1]
+
+
+def load(api: str):
+  """The module (or object) of `api`; a RuntimeError with the reason if it is missing.
+
+  Plans ask `missing` first, so a run never gets here without its API."""
+  found, reason = _loaded(api)
+  if reason is not None:
+    raise RuntimeError(f"{APIS[api][1]}: {reason}")
+  return found
+
+
+def refresh() -> None:
+  """Forgets every answer (tests that take an API away and put it back)."""
+  _loaded.cache_clear()
+
+
+def open_jaxpr(closed):
+  """(jaxpr, consts) of what `jax.make_jaxpr` returns: the equations, whose
+  `constvars` stand for the captured arrays, and those arrays apart (pytree leaves).
+
+  From jax 0.11 a Jaxpr carries its consts (ClosedJaxpr merged into Jaxpr): kept
+  static (a pytree's aux data, a jit cache key) it would keep the captured arrays,
+  or a trace's tracers, alive. There the constvars get shape-only stand-ins;
+  `jax.core.eval_jaxpr(jaxpr, consts, ...)` reads the values from `consts`."""
+  consts = tuple(closed.consts)
+  jaxpr = closed.jaxpr
+  if consts and getattr(jaxpr, "consts", None):  # jax >= 0.11
+    jaxpr = jaxpr.with_consts([jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts])
+  return jaxpr, consts
