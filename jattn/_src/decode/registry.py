@@ -15,12 +15,14 @@ import dataclasses
 from jattn._src.decode import split as _split
 from jattn._src.impl.registry import Implementation
 
-# Logits of one step (W pages x N heads x T queries x page_size keys) at most:
-# 64k float32 entries, 256 KiB, stay in a CPU core's L2 cache beside the pages.
+# Keys gathered per step (W pages x page_size): 1024 keys are 4 MiB of float32 keys
+# and values at K = 4, H = D = 128. Measured on the 2-core AMD EPYC of
+# benchmarks/decode.py (B = 8, lengths 256..32k): 1024 to 2048 keys per step were
+# fastest at pages of 16 to 128; 4096 was 3x slower (the pages no longer stay in cache).
+KEYS_PER_STEP = 1024
+# ... and logits of one step (W x page_size x N heads x T queries) at most 64k
+# float32 entries (256 KiB), which bounds W for a chunk of many queries.
 STEP_LOGITS = 1 << 16
-# ... and at most this many pages per step: past it the last step's padding (up
-# to W - 1 pages of masked work) costs more than the loop's per-step overhead saves.
-MAX_PAGES_PER_STEP = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +52,8 @@ class DecodeCall:
 
 
 def default_pages_per_step(N: int, T: int, page_size: int) -> int:
-  """W: pages per step, so that a step's logits stay within STEP_LOGITS."""
-  return max(1, min(MAX_PAGES_PER_STEP, STEP_LOGITS // (N * T * page_size)))
+  """W: pages per step, KEYS_PER_STEP keys, fewer if the logits pass STEP_LOGITS."""
+  return max(1, min(KEYS_PER_STEP // page_size, STEP_LOGITS // (N * T * page_size)))
 
 
 @dataclasses.dataclass(frozen=True)
