@@ -399,6 +399,7 @@ def test_a_refusal_under_jit_leaves_the_cache_and_is_raised_by_check():
   kv = jnp.ones((2, 10, 2, 8))
   ok = jax.jit(jattn.paged.append)(cache, kv, kv, jnp.array([10, 2]))  # 2 + 1 pages
   refused = jax.jit(jattn.paged.append)(ok, kv, kv, jnp.array([10, 0]))  # 1 more: none free
+  refused = jax.jit(jattn.paged.append)(refused, kv, kv, jnp.array([10, 0]))  # again
   np.testing.assert_array_equal(refused.lengths, [10, 2])
   np.testing.assert_array_equal(refused.block_table, ok.block_table)
   np.testing.assert_array_equal(refused.key_pages, ok.key_pages)

@@ -168,7 +168,12 @@ def allocate(cache: PagedKVCache, new_tokens) -> PagedKVCache:
   over the batch, no loop. Raises (or flags, under jit) a full pool or a row
   past its table.
   """
-  new_tokens = _new_tokens(cache, new_tokens)
+  return _allocate(cache, _new_tokens(cache, new_tokens))[0]
+
+
+def _allocate(cache: PagedKVCache, new_tokens):
+  """-> (the cache with the pages allocated, or refused as `_refuse_or_flag` says;
+  this request's error bits, int32, 0 if granted)."""
   P, ps, M = cache.num_pages, cache.page_size, cache.max_pages
   held = pages_held(cache)
   wanted = -(-(cache.lengths + new_tokens) // ps)  # [B] pages each row needs in all
@@ -182,12 +187,12 @@ def allocate(cache: PagedKVCache, new_tokens) -> PagedKVCache:
   taken = jnp.where(fresh, picked, P).reshape(-1)  # P: dropped by the scatter
   page_free = cache.page_free.at[taken].set(False, mode="drop")
   bits = (jnp.where(jnp.sum(need) > jnp.sum(cache.page_free), POOL_FULL, 0)
-          | jnp.where(jnp.any(wanted > M), PAST_TABLE, 0))
+          | jnp.where(jnp.any(wanted > M), PAST_TABLE, 0)).astype(jnp.int32)
   new = dataclasses.replace(cache, block_table=table.astype(jnp.int32), page_free=page_free)
   return _refuse_or_flag(cache, new, bits,
                          f"new_tokens {_show(new_tokens)}, lengths {_show(cache.lengths)}, "
                          f"{_show(jnp.sum(cache.page_free))} of {P} pages free, "
-                         f"page_size {ps}, max_pages {M}")
+                         f"page_size {ps}, max_pages {M}"), bits
 
 
 def _show(x):
@@ -218,8 +223,8 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
     raise ValueError(f"new_tokens: at most T = {T} tokens per row (key {key.shape}), got "
                      f"{_show(new_tokens)}")
   new_tokens = jnp.minimum(new_tokens, T)
-  grown = allocate(cache, new_tokens)
-  refused = grown.error != cache.error  # traced: allocation refused, write nothing
+  grown, bits = _allocate(cache, new_tokens)
+  refused = bits != 0  # (traced) the allocation was refused: write nothing
   pos = grown.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
   page = jnp.take_along_axis(grown.block_table, jnp.clip(pos // ps, 0, M - 1), axis=1)
   written = (jnp.arange(T)[None, :] < new_tokens[:, None]) & ~refused  # [B, T]
