@@ -20,6 +20,7 @@ from jattn._src.masks.block_mask import BlockMask, create_block_mask
 from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.dot_product_attention import dot_product_attention
 from jattn._src.dispatch import Explanation, explain_calls
+from jattn._src.decode.decode_attention import decode_attention, explain_decode
 from jattn._src.explain import explain
 from jattn._src.lowering import lowering_for
 from jattn._src.nn.flax_attention_fn import flax_attention_fn
@@ -35,9 +36,11 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "create_block_mask",
+    "decode_attention",
     "dot_product_attention",
     "explain",
     "explain_calls",
+    "explain_decode",
     "Explanation",
     "flax_attention_fn",
     "local_mask",
@@ -50,7 +53,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 # The ready-made mods, positions and sharding rules: plain JAX, imported with the core.
-from jattn import mods, rope, sharding  # noqa: E402
+from jattn import mods, paged, rope, sharding  # noqa: E402
 
 # The Flax modules and the Transformer import flax: loaded on first use
 # (`jattn.nnx`, `from jattn import linen`, `import jattn.transformer` all work).

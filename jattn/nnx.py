@@ -19,7 +19,9 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from jattn._src.nn import heads as _heads
+from jattn._src.decode import paged_cache as _paged
 from jattn._src.nn import kv_cache as _kv_cache
+from jattn._src.nn import paged_step as _paged_step
 from jattn._src.dispatch import explain_calls
 from jattn._src.nn.attend_step import attend
 from jattn._src.nn.precision import matmul_precision
@@ -176,8 +178,10 @@ class MultiHeadAttention(nnx.Module):
     self.cached_key = nnx.data(None)
     self.cached_value = nnx.data(None)
     self.cache_index = nnx.data(None)
+    self.paged_cache = nnx.data(None)
 
-  def init_cache(self, batch_size, max_length=None, dtype=None) -> None:
+  def init_cache(self, batch_size, max_length=None, dtype=None, *, paged: bool = False,
+                 page_size: int = 16, num_pages: int | None = None) -> None:
     """Empty caches for decoding, by either protocol.
 
     jattn's: init_cache(batch_size, max_length): a cache position per batch
@@ -188,7 +192,28 @@ class MultiHeadAttention(nnx.Module):
       max_length] for columns): one position for the batch, as flax.
 
     Keys/values are cached as [B, S, K, H] (rows) or [B, K, H, S] (columns).
+
+    paged=True (jattn's form): a `jattn.paged.PagedKVCache` instead, rows of
+      up to max_length tokens in a pool of num_pages pages of page_size tokens
+      (default: enough for every row at max_length; fewer, about the sum of
+      the lengths / page_size, hold only what rows use). Decoding calls append
+      to it and attend with `jattn.decode_attention` (its default
+      implementation): mask_mod and score_mod see global positions, is_causal
+      is passed through as given, and a dense mask, attention_fn, sow_weights
+      and dropout are refused. The cache is `self.paged_cache`.
     """
+    self.paged_cache = nnx.data(None)
+    if paged:
+      if isinstance(batch_size, (tuple, list)) or max_length is None:
+        raise ValueError(f"init_cache(paged=True) takes jattn's form (batch_size, "
+                         f"max_length), got batch_size={batch_size!r}, "
+                         f"max_length={max_length!r}")
+      dtype = dtype or self.dtype or self.param_dtype
+      self.paged_cache = nnx.Cache(_paged.init_cache(
+          batch_size, max_length, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+          page_size=page_size, num_pages=num_pages, dtype=dtype))
+      self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
+      return
     if isinstance(batch_size, (tuple, list)):  # flax's init_cache(input_shape, dtype)
       if max_length is not None and dtype is None:
         dtype, max_length = max_length, None
@@ -220,7 +245,7 @@ class MultiHeadAttention(nnx.Module):
       self.deterministic = deterministic
     if decode is not None:
       self.decode = decode
-      if self.cache_index is None:
+      if self.cache_index is None and self.paged_cache is None:
         if batch_size is None or max_length is None:
           raise TypeError("set_view: 'batch_size' and 'max_length' must be given to "
                           "initialise the cache")
@@ -298,7 +323,13 @@ class MultiHeadAttention(nnx.Module):
     decode = self.decode if decode is None else decode
     B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]
     S = inputs_k.shape[_heads.token_axis(layout)]
-    if decode:
+    paged = decode and self.paged_cache is not None
+    if paged:
+      _paged_step.check_call(B=B, T=T, new_keys=S, cache=self.paged_cache.get_value(),
+                             mask=mask, attention_fn=self.attention_fn,
+                             sow_weights=sow_weights,
+                             dropout=self._dropout_rng(deterministic, rngs) is not None)
+    elif decode:
       self._check_decode(is_causal, lengths, B=B, T=T, S=S)
     with matmul_precision(self.precision):
       query, key, value = (
@@ -308,10 +339,18 @@ class MultiHeadAttention(nnx.Module):
                           (self.value, inputs_v)))
       if self.normalize_qk:
         query, key = self.query_ln(query), self.key_ln(key)
-      start = (jnp.broadcast_to(self.cache_index[...], (B,)) if decode  # (checked above)
-               else jnp.zeros((B,), jnp.int32))  # [B]: position of each row's first token
+      start = self.decode_positions(B) if decode else jnp.zeros((B,), jnp.int32)
       query, key = self.encode_positions(query, key, start[:, None] + jnp.arange(T),
                                          start[:, None] + jnp.arange(S))
+      if paged:
+        sinks = None if self.sinks is None else self.sinks[...]
+        cache, out = _paged_step.step(
+            self.paged_cache.get_value(), query, key, value, lengths, layout=layout,
+            is_causal=is_causal, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks)
+        self.paged_cache.set_value(cache)
+        out = _heads.project_out(*self.out.arrays(out, self.dtype), layout=layout,
+                                 out_sharding=out_sharding)
+        return _heads.split_batch(out, batch)
       kv_lengths = lengths
       if decode:
         key, value, mask = self._decode(key, value, mask, lengths, T)
@@ -348,6 +387,12 @@ class MultiHeadAttention(nnx.Module):
     its cache position) -> (query, key). Here the identity, as in flax."""
     del query_positions, key_positions
     return query, key
+
+  def decode_positions(self, B: int) -> jax.Array:
+    """int32 [B]: the position of each row's next token in the cache (its length)."""
+    if self.paged_cache is not None:
+      return self.paged_cache.get_value().lengths
+    return jnp.broadcast_to(self.cache_index[...], (B,))
 
   def _check_decode(self, is_causal, lengths, *, B, T, S) -> None:
     """Before any work: a cache of this batch, and a call it can decode (T queries,

@@ -250,10 +250,16 @@ class Transformer(nnx.Module):
     self.head = nnx.Param(nnx.initializers.lecun_normal()(
         rngs.params(), (config.features, config.vocab_size)))  # [F, V]
 
-  def init_cache(self, batch_size: int, max_length: int | None = None) -> None:
-    """KV caches for decode=True (max_length defaults to config.max_len)."""
+  def init_cache(self, batch_size: int, max_length: int | None = None, *, paged: bool = False,
+                 page_size: int = 16, num_pages: int | None = None) -> None:
+    """KV caches for decode=True (max_length defaults to config.max_len).
+
+    paged=True: a paged cache per layer (`jattn.nnx.MultiHeadAttention.init_cache`),
+    num_pages pages of page_size tokens each, shared by the rows.
+    """
+    paged_kwargs = dict(paged=True, page_size=page_size, num_pages=num_pages) if paged else {}
     for block in self.blocks:
-      block.attention.init_cache(batch_size, max_length or self.config.max_len)
+      block.attention.init_cache(batch_size, max_length or self.config.max_len, **paged_kwargs)
     if self.previous_embed is not None:
       self.last_token = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
 
@@ -273,7 +279,9 @@ class Transformer(nnx.Module):
     [B, F, T] (columns), before the LM head (`logits`)."""
     B, T = tokens.shape
     if decode:
-      start = self.blocks[0].attention.cache_index[...]  # [B]
+      attention = self.blocks[0].attention
+      start = (attention.decode_positions(B) if hasattr(attention, "decode_positions")
+               else attention.cache_index[...])  # [B]; flax's modules have no paged cache
     else:
       start = jnp.zeros((B,), jnp.int32)
     x = self.token_embed(tokens)  # [B, T, F]
@@ -309,6 +317,27 @@ class Transformer(nnx.Module):
       last = jnp.take_along_axis(tokens, jnp.clip(n - 1, 0, T - 1)[:, None], axis=1)[:, 0]
       self.last_token[...] = jnp.where(n > 0, last, first)
     return jnp.where(has_previous[:, :, None], self.previous_embed(previous), 0.0)
+
+  def generate(self, prompts, prompt_lengths, max_new_tokens: int, rng, *,
+               temperature: float = 1.0, eos_id: int | None = None, page_size: int = 16,
+               num_pages: int | None = None, progress: bool | None = None):
+    """Samples max_new_tokens after each prompt, all rows in one batch, over a paged cache.
+
+    prompts int [B, T] (row b's first prompt_lengths[b] tokens, the rest padding);
+    rng a jax key; temperature 0 samples greedily. A row stops at its own end:
+    after it samples eos_id, it appends nothing more and its later tokens are
+    eos_id. The cache holds num_pages pages of page_size tokens (default: each
+    row's prompt plus max_new_tokens, rounded up to pages). Prefill and step are
+    jitted once per shape; progress (default: when max_new_tokens >= 256 and
+    tqdm is installed) shows a progress bar. Leaves the model's caches filled.
+
+    Returns (tokens int32 [B, max_new_tokens], lengths int32 [B]: the tokens each
+    row generated, its eos_id included).
+    """
+    from jattn._src.nn import generate as _generate
+    return _generate.generate(self, prompts, prompt_lengths, max_new_tokens, rng,
+                              temperature=temperature, eos_id=eos_id, page_size=page_size,
+                              num_pages=num_pages, progress=progress)
 
   def take(self, hidden, positions):
     """hidden [B, T, F] or [B, F, T], positions int [B, P] -> [B, P, F] or [B, F, P]."""

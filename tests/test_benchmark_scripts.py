@@ -38,3 +38,13 @@ def test_the_gpu_check_rehearses_every_stage_on_this_cpu(tmp_path):
     results = json.loads((tmp_path / f"{name}.json").read_text())
     assert results["results"] and not results["errors"], results["errors"]
   assert done.returncode == 0
+
+
+@pytest.mark.slow
+def test_decode_benchmark_runs_in_smoke_mode():
+  """benchmarks/decode.py --smoke (tiny lengths): every contender runs, torch or not."""
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--smoke",
+                         "--page-size", "8"], capture_output=True, text=True, timeout=600,
+                        cwd="/")
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "paged (split)" in done.stdout and "torch SDPA" in done.stdout

@@ -30,7 +30,7 @@ def public_objects():
   import jattn.rope
   import jattn.transformer
   modules = [jattn, jattn.mods, jattn.nnx, jattn.linen, jattn.transformer, jattn.sharding,
-             jattn.rope]
+             jattn.rope, jattn.paged]
   seen = set()
   for module in modules:
     names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]

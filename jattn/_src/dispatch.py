@@ -47,13 +47,19 @@ class Choice:
     return (self.implementation, self.plan, self.error)
 
 
-def choose(call, implementation: str | None, platform: str) -> Choice:
-  """The implementation `implementation` (None: the platform's best) runs on `platform`."""
+def choose(call, implementation: str | None, platform: str, *, registry=None,
+           order=None) -> Choice:
+  """The implementation `implementation` (None: the platform's best) runs on `platform`.
+
+  registry / order: the implementations and their preference (default those of
+  `dot_product_attention`; `decode_attention` passes its own)."""
+  registry = IMPLEMENTATIONS if registry is None else registry
+  order = preference if order is None else order
   if implementation is not None:
-    return _explicit(call, implementation, platform)
+    return _explicit(call, implementation, platform, registry)
   passed_over = []
-  for name in preference(call, platform):
-    plan = IMPLEMENTATIONS[name].plan_for(call, platform)
+  for name in order(call, platform):
+    plan = registry[name].plan_for(call, platform)
     if not isinstance(plan, str):
       return Choice(platform, name, plan, tuple(passed_over))
     passed_over.append((name, plan))
@@ -61,22 +67,25 @@ def choose(call, implementation: str | None, platform: str) -> Choice:
   raise AssertionError(f"no implementation takes this call on {platform}: {passed_over}")
 
 
-def _explicit(call, name: str, platform: str) -> Choice:
+def _explicit(call, name: str, platform: str, registry) -> Choice:
   """The one implementation the caller named; its refusal is the Choice's error."""
-  plan = IMPLEMENTATIONS[name].plan_for(call, platform)
+  plan = registry[name].plan_for(call, platform)
   if not isinstance(plan, str):
     return Choice(platform, name, plan)
   return Choice(platform, None, passed_over=((name, plan),),
                 error=f"implementation={name!r} cannot run this call on {platform!r}: {plan}")
 
 
-def choose_all(call, implementation: str | None) -> tuple[Choice, ...]:
+def choose_all(call, implementation: str | None, *, registry=None,
+               order=None) -> tuple[Choice, ...]:
   """One `Choice` per platform; a ValueError when an explicit implementation runs nowhere."""
-  choices = tuple(choose(call, implementation, p) for p in PLATFORMS)
+  choices = tuple(choose(call, implementation, p, registry=registry, order=order)
+                  for p in PLATFORMS)
   if all(c.error is not None for c in choices):
     # the reason on the platforms it was made for (e.g. "it takes no bias"),
     # else that it runs on none of them
-    own = IMPLEMENTATIONS[implementation].platforms or PLATFORMS
+    own = (IMPLEMENTATIONS if registry is None else registry)[implementation].platforms or (
+        PLATFORMS)
     reasons = dict.fromkeys(reason for c in choices if c.platform in own or call.interpret
                             for _, reason in c.passed_over)
     raise ValueError(f"implementation={implementation!r} cannot run this call: "

@@ -1,0 +1,1 @@
+"""Decoding over a paged, ragged KV cache."""

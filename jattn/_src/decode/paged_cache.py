@@ -1,0 +1,272 @@
+"""A paged, ragged KV cache as a pure pytree: a pool of pages, a block table, lengths.
+
+Row b's token at position p lives in page block_table[b, p // page_size], slot
+p % page_size. Pages come from one fixed pool shared by the batch, so the
+memory is the pool's (sized to the sum of the lengths), not B x max_length,
+and every shape is static: allocate, append and free are jit-friendly array
+updates with no Python loop over rows.
+
+    key_pages    [P, page_size, K, H]   the pool (P pages), keys
+    value_pages  [P, page_size, K, D]   values (their own dtype)
+    block_table  int32 [B, max_pages]   row b's pages in order; NO_PAGE after them
+    lengths      int32 [B]              tokens cached per row
+    page_free    bool [P]               the free list: True = not in any row
+    error        int32 []               sticky: 0, or the bits of ERRORS (under jit)
+
+A bad request (a full pool, lengths past the table) raises a ValueError when
+the arrays are concrete. Under jit nothing can raise, so the request is
+refused whole (the cache stays as it was) and its bit is set in `error`;
+`check` raises it later with the same message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# A block-table entry with no page: negative, so it can never name a pool page.
+NO_PAGE = -1
+POOL_FULL, PAST_TABLE = 1, 2
+ERRORS = {
+    POOL_FULL: "the page pool is full: a request needed more pages than are free "
+               "(free finished rows with free(), or init_cache with more num_pages)",
+    PAST_TABLE: "lengths past the block table: a row would hold more than max_pages "
+                "pages (init_cache with a larger max_length)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  """The paged KV cache (a pytree; see the module docstring for the fields).
+
+  Made by `jattn.paged.init_cache`, filled by `append`, emptied by `free`.
+
+  Examples:
+    >>> import jax.numpy as jnp, jattn
+    >>> cache = jattn.paged.init_cache(2, 64, num_kv_heads=1, head_dim=8, page_size=16,
+    ...                                num_pages=5)
+    >>> k = jnp.ones((2, 20, 1, 8))                                 # [B, T, K, H]
+    >>> cache = jattn.paged.append(cache, k, k, jnp.array([20, 3]))
+    >>> cache.lengths.tolist(), cache.block_table.tolist()
+    ([20, 3], [[0, 1, -1, -1], [2, -1, -1, -1]])
+  """
+
+  key_pages: jax.Array
+  value_pages: jax.Array
+  block_table: jax.Array
+  lengths: jax.Array
+  page_free: jax.Array
+  error: jax.Array
+
+  @property
+  def page_size(self) -> int:
+    return self.key_pages.shape[1]
+
+  @property
+  def num_pages(self) -> int:
+    return self.key_pages.shape[0]
+
+  @property
+  def batch_size(self) -> int:
+    return self.block_table.shape[0]
+
+  @property
+  def max_pages(self) -> int:
+    return self.block_table.shape[1]
+
+  @property
+  def max_length(self) -> int:
+    return self.max_pages * self.page_size
+
+  def memory_bytes(self) -> int:
+    """Bytes of the key and value pools (what the cache costs in memory)."""
+    return self.key_pages.nbytes + self.value_pages.nbytes
+
+
+jax.tree_util.register_dataclass(
+    PagedKVCache, data_fields=[f.name for f in dataclasses.fields(PagedKVCache)],
+    meta_fields=[])
+
+
+def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim: int,
+               value_dim: int | None = None, page_size: int = 16,
+               num_pages: int | None = None, dtype=jnp.float32,
+               value_dtype=None) -> PagedKVCache:
+  """An empty cache: B rows of up to max_length tokens sharing a pool of num_pages pages.
+
+  num_pages defaults to enough for every row at max_length (the dense cache's
+  memory); pass fewer, about sum(lengths) / page_size, to hold only what rows use.
+  """
+  for name, value in (("batch_size", batch_size), ("max_length", max_length),
+                      ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                      ("page_size", page_size)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
+  max_pages = -(-max_length // page_size)
+  num_pages = batch_size * max_pages if num_pages is None else num_pages
+  if not isinstance(num_pages, int) or num_pages < 1:
+    raise ValueError(f"init_cache: num_pages must be a positive int, got {num_pages!r}")
+  D = head_dim if value_dim is None else value_dim
+  P, K = num_pages, num_kv_heads
+  return PagedKVCache(
+      key_pages=jnp.zeros((P, page_size, K, head_dim), dtype),
+      value_pages=jnp.zeros((P, page_size, K, D), value_dtype or dtype),
+      block_table=jnp.full((batch_size, max_pages), NO_PAGE, jnp.int32),
+      lengths=jnp.zeros((batch_size,), jnp.int32),
+      page_free=jnp.ones((P,), bool),
+      error=jnp.zeros((), jnp.int32))
+
+
+def _concrete(*xs) -> bool:
+  return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(xs))
+
+
+def _refuse_or_flag(cache: PagedKVCache, new: PagedKVCache, bits, detail: str):
+  """new, unless a request failed: then a ValueError (concrete), or the old cache
+  with the failure's bits added to `error` (traced)."""
+  if _concrete(bits):
+    bits = int(bits)
+    if bits:
+      raise ValueError("new_tokens: " + "; ".join(ERRORS[b] for b in ERRORS if bits & b)
+                       + f" ({detail})")
+    return new
+  kept = jax.tree.map(lambda a, b: jnp.where(bits == 0, a, b), new, cache)
+  return dataclasses.replace(kept, error=cache.error | bits)
+
+
+def check(cache: PagedKVCache) -> PagedKVCache:
+  """Raises the ValueError of a request refused under jit (the `error` bits); else cache."""
+  bits = int(cache.error)
+  if bits:
+    raise ValueError("cache.error: " + "; ".join(ERRORS[b] for b in ERRORS if bits & b))
+  return cache
+
+
+def _new_tokens(cache: PagedKVCache, new_tokens) -> jax.Array:
+  B = cache.batch_size
+  new_tokens = jnp.asarray(new_tokens)
+  if not jnp.issubdtype(new_tokens.dtype, jnp.integer) or new_tokens.shape != (B,):
+    raise ValueError(f"new_tokens: expected int [B] = ({B},), got {new_tokens.dtype} "
+                     f"with shape {new_tokens.shape}")
+  if _concrete(new_tokens) and bool(jnp.any(new_tokens < 0)):
+    raise ValueError(f"new_tokens must be >= 0, got {np.asarray(new_tokens).tolist()}")
+  return jnp.maximum(new_tokens.astype(jnp.int32), 0)
+
+
+def pages_held(cache: PagedKVCache) -> jax.Array:
+  """int32 [B]: pages in each row's table (a prefix of it)."""
+  return jnp.sum(cache.block_table != NO_PAGE, axis=1, dtype=jnp.int32)
+
+
+def allocate(cache: PagedKVCache, new_tokens) -> PagedKVCache:
+  """Pages for new_tokens[b] (int [B]) more tokens in each row, from the free list.
+
+  Row b gets the lowest free pages, after the rows before it: a cumulative sum
+  over the batch, no loop. Raises (or flags, under jit) a full pool or a row
+  past its table.
+  """
+  return _allocate(cache, _new_tokens(cache, new_tokens))[0]
+
+
+def _allocate(cache: PagedKVCache, new_tokens):
+  """-> (the cache with the pages allocated, or refused as `_refuse_or_flag` says;
+  this request's error bits, int32, 0 if granted)."""
+  P, ps, M = cache.num_pages, cache.page_size, cache.max_pages
+  held = pages_held(cache)
+  wanted = -(-(cache.lengths + new_tokens) // ps)  # [B] pages each row needs in all
+  need = jnp.maximum(wanted - held, 0)  # [B]
+  free_ids = jnp.nonzero(cache.page_free, size=P, fill_value=P)[0]  # [P] ascending
+  first = jnp.cumsum(need) - need  # [B]: row b's share starts here in free_ids
+  j = jnp.arange(M, dtype=jnp.int32)[None, :]  # [1, M] table slots
+  fresh = (j >= held[:, None]) & (j < (held + need)[:, None])  # [B, M]
+  picked = free_ids[jnp.clip(first[:, None] + j - held[:, None], 0, P - 1)]  # [B, M]
+  table = jnp.where(fresh, picked, cache.block_table)
+  taken = jnp.where(fresh, picked, P).reshape(-1)  # P: dropped by the scatter
+  page_free = cache.page_free.at[taken].set(False, mode="drop")
+  bits = (jnp.where(jnp.sum(need) > jnp.sum(cache.page_free), POOL_FULL, 0)
+          | jnp.where(jnp.any(wanted > M), PAST_TABLE, 0)).astype(jnp.int32)
+  new = dataclasses.replace(cache, block_table=table.astype(jnp.int32), page_free=page_free)
+  return _refuse_or_flag(cache, new, bits,
+                         f"new_tokens {_show(new_tokens)}, lengths {_show(cache.lengths)}, "
+                         f"{_show(jnp.sum(cache.page_free))} of {P} pages free, "
+                         f"page_size {ps}, max_pages {M}"), bits
+
+
+def _show(x):
+  return np.asarray(x).tolist() if _concrete(x) else "(traced)"
+
+
+def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
+  """Writes key [B, T, K, H] / value [B, T, K, D] after each row's tokens; lengths += new_tokens.
+
+  new_tokens int [B] (default all T): row b takes key[b, :new_tokens[b]], the
+  rest is padding (a prefill of different lengths, then 1 or a few per step).
+  Pages are allocated as needed (`allocate`).
+  """
+  B, M, ps = cache.batch_size, cache.max_pages, cache.page_size
+  K, H, D = cache.key_pages.shape[2], cache.key_pages.shape[3], cache.value_pages.shape[3]
+  key, value = jnp.asarray(key), jnp.asarray(value)
+  if key.ndim != 4 or key.shape[0] != B or key.shape[2:] != (K, H):
+    raise ValueError(f"key: expected [B, T, K, H] = ({B}, T, {K}, {H}) for the cache's "
+                     f"key_pages {tuple(cache.key_pages.shape)}, got shape {key.shape}")
+  if value.shape != key.shape[:2] + (K, D):
+    raise ValueError(f"value: expected [B, T, K, D] = {key.shape[:2] + (K, D)} for the "
+                     f"cache's value_pages {tuple(cache.value_pages.shape)}, got shape "
+                     f"{value.shape}")
+  T = key.shape[1]
+  new_tokens = jnp.full((B,), T, jnp.int32) if new_tokens is None else _new_tokens(
+      cache, new_tokens)
+  if _concrete(new_tokens) and bool(jnp.any(new_tokens > T)):
+    raise ValueError(f"new_tokens: at most T = {T} tokens per row (key {key.shape}), got "
+                     f"{_show(new_tokens)}")
+  new_tokens = jnp.minimum(new_tokens, T)
+  grown, bits = _allocate(cache, new_tokens)
+  refused = bits != 0  # (traced) the allocation was refused: write nothing
+  pos = grown.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+  page = jnp.take_along_axis(grown.block_table, jnp.clip(pos // ps, 0, M - 1), axis=1)
+  written = (jnp.arange(T)[None, :] < new_tokens[:, None]) & ~refused  # [B, T]
+  page = jnp.where(written & (page != NO_PAGE), page, cache.num_pages)  # out of range: dropped
+  slot = pos % ps
+  key_pages = grown.key_pages.at[page, slot].set(key.astype(cache.key_pages.dtype), mode="drop")
+  value_pages = grown.value_pages.at[page, slot].set(value.astype(cache.value_pages.dtype),
+                                                     mode="drop")
+  lengths = grown.lengths + jnp.where(refused, 0, new_tokens)
+  return dataclasses.replace(grown, key_pages=key_pages, value_pages=value_pages,
+                             lengths=lengths)
+
+
+def free(cache: PagedKVCache, rows) -> PagedKVCache:
+  """Returns the pages of rows (bool [B], True = finished) to the free list; their
+  lengths become 0 and their tables empty, ready for a new prompt."""
+  rows = jnp.asarray(rows)
+  if rows.dtype != jnp.bool_ or rows.shape != (cache.batch_size,):
+    raise ValueError(f"rows: expected bool [B] = ({cache.batch_size},), got {rows.dtype} "
+                     f"with shape {rows.shape}")
+  table = cache.block_table
+  released = jnp.where(rows[:, None] & (table != NO_PAGE), table, cache.num_pages)
+  page_free = cache.page_free.at[released.reshape(-1)].set(True, mode="drop")
+  return dataclasses.replace(
+      cache, page_free=page_free, block_table=jnp.where(rows[:, None], NO_PAGE, table),
+      lengths=jnp.where(rows, 0, cache.lengths))
+
+
+def check_pages(cache: PagedKVCache) -> None:
+  """Before any work, on a concrete cache: every page a row holds is a pool page
+  (0 <= id < P), and lengths fit the pages held."""
+  if not _concrete(cache.block_table, cache.lengths):
+    return
+  table, lengths = np.asarray(cache.block_table), np.asarray(cache.lengths)
+  P, ps = cache.num_pages, cache.page_size
+  held = -(-lengths // ps)
+  used = np.arange(cache.max_pages)[None, :] < held[:, None]
+  bad = used & ((table < 0) | (table >= P))
+  if bad.any():
+    b, j = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"cache.block_table: page id {int(table[b, j])} at row {b}, slot {j} "
+                     f"is out of range [0, {P}) (lengths {lengths.tolist()}, page_size {ps})")
+  if (lengths < 0).any() or (held > cache.max_pages).any():
+    raise ValueError(f"cache.lengths {lengths.tolist()} past the block table "
+                     f"{table.shape} of pages of {ps} tokens")

@@ -1,0 +1,106 @@
+"""The implementations of `decode_attention`, and each platform's preference.
+
+The same machinery as `dot_product_attention`'s (`jattn/_src/dispatch.py`): a
+`DecodeCall` of static facts, a plan per implementation and platform (or the
+reason it refuses), chosen when the program is lowered.
+
+  "split": flash-decoding in pure JAX over the needed pages only (every platform);
+  "xla":   every row's whole block table gathered, one dense tile (the reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jattn._src.decode import split as _split
+from jattn._src.impl.registry import Implementation
+
+# Keys gathered per step (W pages x page_size): 1024 keys are 4 MiB of float32 keys
+# and values at K = 4, H = D = 128. Measured on the 2-core AMD EPYC of
+# benchmarks/decode.py (B = 8, lengths 256..32k): 1024 to 2048 keys per step were
+# fastest at pages of 16 to 128; 4096 was 3x slower (the pages no longer stay in cache).
+KEYS_PER_STEP = 1024
+# ... and logits of one step (W x page_size x N heads x T queries) at most 64k
+# float32 entries (256 KiB), which bounds W for a chunk of many queries.
+STEP_LOGITS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCall:
+  """The static facts of one `decode_attention` call (what a plan may depend on).
+
+  mask: "none", "closed form" (a ready-made jattn.mods mask) or "mask_mod" (a user's).
+  """
+
+  B: int
+  T: int
+  N: int
+  K: int
+  H: int
+  D: int
+  page_size: int
+  max_pages: int
+  num_pages: int
+  dtype: str
+  is_causal: bool
+  window: tuple[int, int] | None
+  mask: str
+  has_score: bool
+  has_sinks: bool
+  pages_per_step: int | None
+  interpret: bool = False
+
+
+def default_pages_per_step(N: int, T: int, page_size: int) -> int:
+  """W: pages per step, KEYS_PER_STEP keys, fewer if the logits pass STEP_LOGITS."""
+  return max(1, min(KEYS_PER_STEP // page_size, STEP_LOGITS // (N * T * page_size)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPlan:
+  pages_per_step: int
+  empty_pages: str
+
+  def __str__(self):
+    return (f"split over keys, {self.pages_per_step} pages per step, only the pages each "
+            f"row needs; EMPTY pages {self.empty_pages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherAllPlan:
+  keys_per_row: int
+
+  def __str__(self):
+    return f"every row's whole block table, {self.keys_per_row} keys per row, in one tile"
+
+
+_EMPTY_PAGES = {"none": "(no mask_mod)", "closed form": "in closed form (jattn.mods)",
+                "mask_mod": "found by evaluating mask_mod on the pages in range"}
+
+
+def _split_plan(call: DecodeCall, platform: str):
+  W = call.pages_per_step or default_pages_per_step(call.N, call.T, call.page_size)
+  return SplitPlan(W, _EMPTY_PAGES[call.mask])
+
+
+def _gather_all_plan(call: DecodeCall, platform: str):
+  return GatherAllPlan(call.max_pages * call.page_size)
+
+
+def _run_split(plan, query, cache, mods, options):
+  return _split.split(query, cache, mods, pages_per_step=plan.pages_per_step, **options)
+
+
+def _run_dense(plan, query, cache, mods, options):
+  return _split.dense(query, cache, mods, **options)
+
+
+DECODE_IMPLEMENTATIONS = {
+    "split": Implementation("split", _split_plan, _run_split),
+    "xla": Implementation("xla", _gather_all_plan, _run_dense),
+}
+
+
+def decode_preference(call: DecodeCall, platform: str) -> tuple[str, ...]:
+  """Best first: the split path everywhere until a kernel of its own lands."""
+  return ("split", "xla")

@@ -1,0 +1,87 @@
+"""decode_attention in pure JAX: split over keys (flash-decoding), reading only needed pages.
+
+The pages a call needs (`work_list`) are listed row by row; a loop whose trip
+count is traced (ceil(needed pages / W)) takes W of them per step, gathers
+just those W pages of keys and values from the pool, computes each page's
+partial softmax in parallel (`tile`) and merges them into every row's running
+(max, sum, output) by log-sum-exp. The work is proportional to the pages
+needed (about sum of the lengths / page_size), not to B x max_length.
+
+"xla" (`dense`) is the reference path: every row gathers its whole block table
+[B, max_pages * page_size] and one tile computes it (dense work and memory).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jattn._src.decode import tile as _tile
+from jattn._src.decode import work_list as _work_list
+
+
+def _queries(query, cache, q_lengths):
+  """query [B, T, N, H] -> (q [B, T, K, G, H], q_pos, q_valid int/bool [B, T], q_first [B])."""
+  B, T, N, H = query.shape
+  K = cache.key_pages.shape[2]
+  q_first = cache.lengths - q_lengths  # [B]: row b's queries are its last q_lengths tokens
+  t = jnp.arange(T, dtype=jnp.int32)[None, :]
+  return (query.reshape(B, T, K, N // K, H), q_first[:, None] + t, t < q_lengths[:, None],
+          q_first)
+
+
+def needed_pages(mods, cache, *, q_first, q_pos, q_valid, q_lengths, causal, window, T, N, W):
+  """bool [B, max_pages]: the pages the call reads (`work_list`'s rules)."""
+  needed = _work_list.in_range(cache, q_first=q_first, q_lengths=q_lengths, causal=causal,
+                               window=window)
+  if mods is None or not mods.has_mask:
+    return needed
+  closed = (None if mods.mask_mod is None else
+            _work_list.closed_form_nonempty(mods.mask_mod, cache, q_first=q_first, T=T))
+  if closed is not None:
+    return needed & closed
+  return _work_list.mask_nonempty(mods, cache, needed, q_pos=q_pos, q_valid=q_valid,
+                                  causal=causal, window=window, N=N, W=W)
+
+
+def split(query, cache, mods, *, q_lengths, causal: bool, window, scale, pages_per_step: int,
+          dtype):
+  """out [B, T, N, D]; see the module docstring."""
+  B, T, N, H = query.shape
+  K, D, ps, W = cache.key_pages.shape[2], cache.value_pages.shape[3], cache.page_size, \
+      pages_per_step
+  q, q_pos, q_valid, q_first = _queries(query, cache, q_lengths)
+  needed = needed_pages(mods, cache, q_first=q_first, q_pos=q_pos, q_valid=q_valid,
+                        q_lengths=q_lengths, causal=causal, window=window, T=T, N=N, W=W)
+  rows, slots, count = _work_list.items(needed, W)
+
+  def step(i, carry):
+    r, j, valid = _work_list.at_step(rows, slots, count, i, W)
+    page = cache.block_table[r, j]  # [W]: pool pages, all in the list
+    s_pos = j[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]  # [W, S]
+    s_valid = (s_pos < cache.lengths[r][:, None]) & valid[:, None]
+    partial = _tile.tile(q[r], cache.key_pages[page], cache.value_pages[page], mods, rows=r,
+                         q_pos=q_pos[r], q_valid=q_valid[r], s_pos=s_pos, s_valid=s_valid,
+                         causal=causal, window=window, scale=scale)
+    return _tile.merge(carry, *partial, r, B)
+
+  carry = lax.fori_loop(0, _work_list.steps(count, W), step,
+                        _tile.empty(B, K, N // K, T, D))
+  return _tile.finish(carry, None if mods is None else mods.sinks, dtype)
+
+
+def dense(query, cache, mods, *, q_lengths, causal: bool, window, scale, dtype):
+  """out [B, T, N, D] from every row's whole block table (reads every slot of it)."""
+  B, T, N, H = query.shape
+  M, ps = cache.max_pages, cache.page_size
+  q, q_pos, q_valid, _ = _queries(query, cache, q_lengths)
+  table = cache.block_table
+  page = jnp.clip(table, 0, cache.num_pages - 1)  # [B, M]; a missing page is masked below
+  keys = cache.key_pages[page].reshape((B, M * ps) + cache.key_pages.shape[2:])
+  values = cache.value_pages[page].reshape((B, M * ps) + cache.value_pages.shape[2:])
+  s_pos = jnp.broadcast_to(jnp.arange(M * ps, dtype=jnp.int32), (B, M * ps))  # [B, S]
+  s_valid = (s_pos < cache.lengths[:, None]) & jnp.repeat(table >= 0, ps, axis=1)
+  rows = jnp.arange(B, dtype=jnp.int32)
+  partial = _tile.tile(q, keys, values, mods, rows=rows, q_pos=q_pos, q_valid=q_valid,
+                       s_pos=s_pos, s_valid=s_valid, causal=causal, window=window, scale=scale)
+  return _tile.finish(partial, None if mods is None else mods.sinks, dtype)
