@@ -140,8 +140,14 @@ def _compare(got, want, atol=2e-5):
     np.testing.assert_allclose(got[b, :FINAL[b]], want[b, :FINAL[b]], rtol=2e-5, atol=atol)
 
 
-@pytest.mark.parametrize("chunk", [1, 3])
-@pytest.mark.parametrize("case", list(CASES))
+# every case in chunks of 3 (ragged ends, several queries a step); token by token for a
+# few in CI, for every case in the slow tier
+_TOKEN_BY_TOKEN = ("none", "document", "user_mask", "sinks_window_alibi")
+
+
+@pytest.mark.parametrize("case,chunk", [(c, 3) for c in CASES] + [
+    (c, 1) if c in _TOKEN_BY_TOKEN else pytest.param(c, 1, marks=pytest.mark.thorough)
+    for c in CASES])
 def test_decoding_equals_the_full_pass(case, chunk):
   q, k, v = _data()
   kwargs, causal = CASES[case][:2]
