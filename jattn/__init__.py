@@ -27,14 +27,22 @@ from jattn._src.nn.flax_attention_fn import flax_attention_fn
 from jattn._src.masks.structural import (causal_mask, combine_masks, local_mask, padding_mask,
                                          segment_mask)
 from jattn._src.impl.ring import ring_attention
+from jattn._src.parallel.balance import ChunkOrder
+from jattn._src.parallel.context_parallel import (context_parallel_attention,
+                                                  context_parallel_plan)
+from jattn._src.parallel.plan import ContextParallelPlan
 
 __all__ = [
     "BlockMask",
     "BlockSizes",
+    "ChunkOrder",
+    "ContextParallelPlan",
     "attend",
     "attention",
     "causal_mask",
     "combine_masks",
+    "context_parallel_attention",
+    "context_parallel_plan",
     "create_block_mask",
     "decode_attention",
     "dot_product_attention",

@@ -54,8 +54,8 @@ def test_ring_refuses_what_needs_the_whole_grid():
   import numpy as np
   import jattn
   q = np.zeros((1, 4, 2, 8), np.float32)
-  with pytest.raises(ValueError, match=r"'ring' does not support bias, local_window_size"):
-    jattn.dot_product_attention(q, q, q, np.zeros((4, 4), np.float32),
+  with pytest.raises(ValueError, match=r"'ring' does not support bias, mask: bias: a dense"):
+    jattn.dot_product_attention(q, q, q, np.zeros((4, 4), np.float32), np.ones((4, 4), bool),
                                 implementation="ring", local_window_size=1)
 
 

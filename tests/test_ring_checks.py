@@ -101,7 +101,7 @@ def test_bad_arguments_are_named():
   with raises(TypeError, "scale must be a Python float for ring_attention"):
     ring(mesh=mesh, scale=jnp.float32(0.5))
   for kw in (dict(batch_axis_name="data"), dict(head_axis_name="data")):
-    with raises(ValueError, "mask_mod, score_mod and sinks in ring attention need the whole",
+    with raises(ValueError, "mask_mod, score_mod and sinks in ring_attention need the whole",
                 next(iter(kw))):
       ring(mesh=abstract(seq=1, data=1), sinks=np.zeros(N, np.float32), **kw)
 
@@ -218,8 +218,9 @@ def test_explicit_axes_keep_the_querys_sharding():
 def test_explain_ring_steps_on_an_abstract_mesh(kind):
   """What each ring step runs, traced on shapes alone over data x seq x model = 2 x 2 x 2:
   one device's step is B / 2 rows, N / 2 and K / 2 heads, T / 2 queries against S / 2 keys
-  (halved again by the zig-zag order); blockwise on CPU with block sizes clipped to one
-  device's T / 2 and S / 2; the TPU kernel on TPU, or blockwise with its reason."""
+  (halved again by the zig-zag order, given as a ChunkOrder); blockwise on CPU with block
+  sizes clipped to one step's queries and keys; the TPU kernel on TPU, or blockwise with
+  its reason."""
   from jattn._src.impl.interpret import pallas_interpret
   sd = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   q, k, v = sd(4, 32, 4, 8), sd(4, 48, 2, 8), sd(4, 48, 2, 16)
@@ -231,8 +232,9 @@ def test_explain_ring_steps_on_an_abstract_mesh(kind):
           q, k, v, mesh=mesh, batch_axis_name="data", head_axis_name="model", **kw), q, k, v)
     return {p: reports[0].choices[p] for p in ("cpu", "tpu", "cuda")}
 
-  got = steps(is_causal=True)
-  assert got["cpu"].plan == type(got["cpu"].plan)("blockwise", jattn.BlockSizes(q=16, kv=24))
+  zigzag = jattn.ChunkOrder(((0, 3), (1, 2)), "zig-zag")
+  got = steps(is_causal=True, load_balance=zigzag)
+  assert got["cpu"].plan == type(got["cpu"].plan)("blockwise", jattn.BlockSizes(q=8, kv=12))
   assert got["cuda"].plan.implementation == "blockwise" and got["cuda"].passed_over == ()
   tpu = got["tpu"].plan
   assert tpu.implementation == "flex_tpu" and got["tpu"].passed_over == ()

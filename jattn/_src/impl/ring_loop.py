@@ -1,27 +1,33 @@
-"""Ring attention: the sequence sharded over a mesh axis, K/V passed around the ring.
+"""The per-device loop of sequence parallelism: local queries against K/V chunks in turn.
 
-Each of the P devices on the ring axis keeps its block of queries. At every
-step it attends to the key/value block in hand, folds the result into a running
-(out, lse) with the online softmax, and hands the block to the next device with
-`jax.lax.ppermute`. After P steps every query has met every key, and no device
-ever held more than one block of K/V.
+Each of the P devices on the sequence axis keeps its query chunks. At every
+step it attends them to the key/value chunks in hand, folds each result into a
+running (out, lse) with the online softmax, and, on a ring, hands the K/V to
+the next device with `jax.lax.ppermute`. After P steps every query has met
+every key, and no device ever held more than one device's share of K/V. With
+one step (`Ring.steps == 1`) the device already holds every key it needs: the
+all-gather strategy (all of S) and Ulysses (all of T and S for its heads).
 
-Within a device, each step is the blockwise implementation's raw forward over
-(local queries x visiting K/V), so memory is linear in the block lengths, and
-blocks that the causal, length or segment masks rule out are skipped; or, where
-`Ring.kernel` holds a flex_tpu plan (the TPU branch), the flex_tpu Pallas kernel
-at the step's global offsets (`flex_tpu.step_forward` / `step_backward`).
+A device holds `q_chunks` query chunks and `kv_chunks` K/V chunks, each at
+its own global offset (the load balance deals chunks out of order), and runs
+one (query chunk, K/V chunk) pair at a time in a `fori_loop`, so the program
+does not grow with the number of chunks. A pair the call's chunk table marks
+EMPTY is skipped with `lax.cond` (the ppermute of the step still runs: the
+K/V must reach the next device whatever this one does with it).
+
+Within a pair, each step is the blockwise implementation's raw forward over
+(query chunk x K/V chunk), so memory is linear in the chunk lengths, and
+blocks that the causal, window, length or segment masks rule out are skipped;
+or, where `Ring.kernel` holds a flex_tpu plan (the TPU branch), the flex_tpu
+Pallas kernel at the pair's global offsets (`flex_tpu.step_forward` /
+`step_backward`).
 
 The backward pass (a custom VJP) is a second trip around the ring: each K/V
-block travels with its own gradient accumulators dK, dV; every device adds its
+chunk travels with its own gradient accumulators dK, dV; every device adds its
 queries' contribution with the blockwise backward, which recomputes the
 weights from the saved lse, and after P hops the accumulators are home.
-
-Causal load balance (zig-zag): with a causal mask, contiguous blocks would
-leave device 0 idle (its queries see one block) while device P-1 works on P.
-The sequence is therefore cut into 2P chunks and device i holds chunks i and
-2P-1-i, one early and one late, so every device does the same amount of work.
-Tokens are reordered before the ring and the output is put back in order after.
+The forward makes P - 1 hops (the last K/V needs to go nowhere), the
+backward P - 1 hops of K/V and P of dK, dV.
 """
 
 from __future__ import annotations
@@ -40,61 +46,23 @@ from jattn._src.core.modifiers import Modifiers
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import flex_tpu
+from jattn._src.masks.block_mask import EMPTY
 
 _ROWS = "BNT"  # one value per query row and head: lse
 
 
-def _zigzag_home(chunk: int, num_devices: int) -> int:
-  """The device that holds `chunk` (of 2P) in zig-zag order: i and 2P-1-i on device i."""
-  return chunk if chunk < num_devices else 2 * num_devices - 1 - chunk
-
-
-def to_zigzag(x, axis: int, axis_name: str, num_devices: int):
-  """Inside shard_map: from contiguous order (device i holds chunks 2i, 2i+1)
-  to zig-zag order (device i holds chunks i, 2P-1-i), with two ppermutes.
-
-  Chunk i is even on an even device, so there the even chunk comes first.
-  """
-  P = num_devices
-  even, odd = jnp.split(x, 2, axis=axis)
-  even = jax.lax.ppermute(even, axis_name, [(i, _zigzag_home(2 * i, P)) for i in range(P)])
-  odd = jax.lax.ppermute(odd, axis_name, [(i, _zigzag_home(2 * i + 1, P)) for i in range(P)])
-  on_even_device = jax.lax.axis_index(axis_name) % 2 == 0
-  first = jnp.where(on_even_device, even, odd)
-  second = jnp.where(on_even_device, odd, even)
-  return jnp.concatenate([first, second], axis=axis)
-
-
-def from_zigzag(x, axis: int, axis_name: str, num_devices: int):
-  """The inverse of `to_zigzag`: every chunk goes back to its contiguous place."""
-  P = num_devices
-  first, second = jnp.split(x, 2, axis=axis)
-  on_even_device = jax.lax.axis_index(axis_name) % 2 == 0
-  even = jnp.where(on_even_device, first, second)
-  odd = jnp.where(on_even_device, second, first)
-  even = jax.lax.ppermute(even, axis_name, [(_zigzag_home(2 * i, P), i) for i in range(P)])
-  odd = jax.lax.ppermute(odd, axis_name, [(_zigzag_home(2 * i + 1, P), i) for i in range(P)])
-  return jnp.concatenate([even, odd], axis=axis)
-
-
-def chunk_offsets(length: int, chunks: int, axis_name: str, num_devices: int) -> jax.Array:
-  """int32 [chunks]: global position of the first token of each local chunk."""
-  i = jax.lax.axis_index(axis_name)
-  size = length // (chunks * num_devices)  # tokens per chunk
-  if chunks == 1:
-    return (i * size)[None].astype(jnp.int32)
-  return jnp.stack([i * size, (2 * num_devices - 1 - i) * size]).astype(jnp.int32)
-
-
 @dataclasses.dataclass(frozen=True)
 class Ring:
-  """The static description of one ring: mesh axis, its size, and the math."""
+  """The static description of one device's loop: mesh axis, chunks, steps, and the math."""
 
   axis_name: str  # the mesh axis the sequence is sharded over
   num_devices: int  # P, the size of that axis
-  chunks: int  # contiguous chunks per device: 2 in zig-zag order, else 1
+  steps: int  # K/V chunks visited in turn: P on a ring, 1 when every key is local
+  q_chunks: int  # query chunks on each device, each at its own global offset
+  kv_chunks: int  # K/V chunks on each device (travelling together on a ring)
   scale: float
   is_causal: bool
+  local_window: tuple[int, int] | None
   layout: Layout
   block_sizes: BlockSizes
   # a flex_tpu `Plan` (made with offsets=True for one chunk pair): each step runs the
@@ -110,18 +78,24 @@ class Ring:
     """A float32 accumulator."""
     return jnp.full(shape, fill, jnp.float32)
 
-  def split(self, x, letter: str, axis: int | None = None):
-    """The local chunks of x along the layout axis of `letter` (or `axis`)."""
+  def chunk(self, x, letter: str, index, size: int, axis: int | None = None):
+    """Chunk `index` (traced) of `size` along the layout axis of `letter` (or `axis`)."""
+    if x is None:
+      return None
     axis = self.layout.axis(letter) if axis is None else axis
-    return jnp.split(x, self.chunks, axis=axis) if x is not None else [None] * self.chunks
+    return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis)
 
-  def merge(self, xs, letter: str):
-    return jnp.concatenate(xs, axis=self.layout.axis(letter))
+  def add_to_chunk(self, x, d, letter: str, index, size: int):
+    """x with d added to its chunk `index` along the layout axis of `letter`."""
+    axis = self.layout.axis(letter)
+    part = jax.lax.dynamic_slice_in_dim(x, index * size, size, axis)
+    return jax.lax.dynamic_update_slice_in_dim(x, part + d, index * size, axis)
 
   def modifiers(self, q_ids, kv_ids, q_len, kv_len, mods=None) -> Modifiers:
     """The `Modifiers` of one (query chunk, key/value chunk) pair."""
-    structure = MaskSpec(is_causal=self.is_causal, q_lengths=q_len, kv_lengths=kv_len,
-                         q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    structure = MaskSpec(is_causal=self.is_causal, local_window=self.local_window,
+                         q_lengths=q_len, kv_lengths=kv_len, q_segment_ids=q_ids,
+                         kv_segment_ids=kv_ids)
     return Modifiers(structure=structure, mods=mods, scale=self.scale)
 
   def step_forward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset):
@@ -158,93 +132,134 @@ def _combine(out_a, lse_a, out_b, lse_b, layout: Layout):
   return out, lse
 
 
+def _each_pair(ring: Ring, body, carry):
+  """body(a, b, carry) for every (query chunk a, K/V chunk b), in a fori_loop."""
+  count = ring.q_chunks * ring.kv_chunks
+  pair = lambda p, carry: body(p // ring.kv_chunks, p % ring.kv_chunks, carry)
+  if count == 1:
+    return pair(jnp.int32(0), carry)
+  return jax.lax.fori_loop(0, count, pair, carry)
+
+
+def _if_visible(visible, q_offset, kv_offset, sizes, compute, carry):
+  """compute(carry), or carry when the chunk table marks this pair EMPTY."""
+  if visible is None:
+    return compute(carry)
+  seen = visible[q_offset // sizes[0], kv_offset // sizes[1]] != EMPTY
+  return jax.lax.cond(seen, compute, lambda carry: carry, carry)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ring_core(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
-              mods=None):
-  """One device's share of ring attention; call inside shard_map.
+              mods=None, visible=None):
+  """One device's share of sequence-parallel attention; call inside shard_map.
 
-  q, k, v: the local blocks in `ring.layout`; q_offsets / kv_offsets int32
-  [chunks]: the global position of the first token of each local chunk;
-  q_ids [B, t] / kv_ids [B, s]: segment ids or None; q_len / kv_len [B]
-  (global lengths) or None; mods: `_programmable.Mods` or None (replicated;
-  mask_mod and score_mod see global positions). Returns the local output in
-  the out layout and the local lse float32 [B, N, t] (no gradient flows back
-  through it).
+  q, k, v: the local chunks in `ring.layout` (q_chunks of T, kv_chunks of S, in
+  order); q_offsets [q_chunks] / kv_offsets [kv_chunks] int32: the global
+  position of the first token of each local chunk; q_ids [B, t] / kv_ids [B, s]:
+  segment ids or None; q_len / kv_len [B] (global lengths) or None; mods:
+  `_programmable.Mods` or None (mask_mod and score_mod see global positions);
+  visible: int8 [T / t_chunk, S / s_chunk] block classes of the call at the
+  granularity of the local chunks (EMPTY pairs are skipped), or None. Returns the
+  local output in the out layout and the local lse float32 [B, N, t] (no
+  gradient flows back through it).
   """
   return _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
-                       mods)
+                       mods, visible)
+
+
+def _sizes(ring: Ring, q, k) -> tuple[int, int]:
+  """Tokens per local query chunk and per K/V chunk."""
+  return (q.shape[ring.layout.axis("T")] // ring.q_chunks,
+          k.shape[ring.layout.axis("S")] // ring.kv_chunks)
 
 
 def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
-                  mods=None):
+                  mods=None, visible=None):
   lay = ring.layout
-  q_chunks, q_ids_chunks = ring.split(q, "T"), ring.split(q_ids, "T", axis=1)
-  size = dict(zip(lay.query, q_chunks[0].shape)) | dict(zip(lay.value, v.shape))
-  outs = [ring.fresh(tuple(size[c] for c in lay.out)) for _ in q_chunks]
-  lses = [ring.fresh(tuple(size[c] for c in _ROWS), LARGE_NEGATIVE) for _ in q_chunks]
+  tq, sk = _sizes(ring, q, k)
+  size = dict(zip(lay.query, q.shape)) | dict(zip(lay.value, v.shape))
+  out = ring.fresh(tuple(size[c] for c in lay.out))
+  lse = ring.fresh(tuple(size[c] for c in _ROWS), LARGE_NEGATIVE)
 
-  def step(_, carry):
-    outs, lses, travelling = carry
+  def pairs(carry, travelling):
     k_blk, v_blk, kv_off, kv_ids_blk = travelling
-    outs, lses = list(outs), list(lses)
-    for a, (qa, qa_ids) in enumerate(zip(q_chunks, q_ids_chunks)):
-      for b, (kb, vb, kb_ids) in enumerate(zip(ring.split(k_blk, "S"), ring.split(v_blk, "S"),
-                                               ring.split(kv_ids_blk, "S", axis=1))):
-        out_ab, lse_ab = ring.step_forward(
-            qa, kb, vb, ring.modifiers(qa_ids, kb_ids, q_len, kv_len, mods), q_offsets[a],
-            kv_off[b])
-        outs[a], lses[a] = _combine(outs[a], lses[a], out_ab, lse_ab, lay)
-    return tuple(outs), tuple(lses), ring.pass_on(travelling)
 
-  outs, lses, _ = jax.lax.fori_loop(
-      0, ring.num_devices, step, (tuple(outs), tuple(lses), (k, v, kv_offsets, kv_ids)))
-  out, lse = ring.merge(outs, "T"), jnp.concatenate(lses, axis=-1)
+    def body(a, b, carry):
+      def compute(carry):
+        out, lse = carry
+        out_ab, lse_ab = ring.step_forward(
+            ring.chunk(q, "T", a, tq), ring.chunk(k_blk, "S", b, sk),
+            ring.chunk(v_blk, "S", b, sk),
+            ring.modifiers(ring.chunk(q_ids, "T", a, tq, 1),
+                           ring.chunk(kv_ids_blk, "S", b, sk, 1), q_len, kv_len, mods),
+            q_offsets[a], kv_off[b])
+        out_a, lse_a = _combine(ring.chunk(out, "T", a, tq), ring.chunk(lse, "T", a, tq, 2),
+                                out_ab, lse_ab, lay)
+        axis = lay.axis("T")
+        return (jax.lax.dynamic_update_slice_in_dim(out, out_a, a * tq, axis),
+                jax.lax.dynamic_update_slice_in_dim(lse, lse_a, a * tq, 2))
+      return _if_visible(visible, q_offsets[a], kv_off[b], (tq, sk), compute, carry)
+    return _each_pair(ring, body, carry)
+
+  carry, travelling = (out, lse), (k, v, kv_offsets, kv_ids)
+  if ring.steps > 1:  # P - 1 hops: the K/V of the last step goes nowhere
+    carry, travelling = jax.lax.fori_loop(
+        0, ring.steps - 1, lambda _, c: (pairs(*c), ring.pass_on(c[1])), (carry, travelling))
+  out, lse = pairs(carry, travelling)
   if mods is not None and mods.sinks is not None:  # once, after every key range
     out, lse = add_sinks(out, lse, mods.sinks, lay.out)
   return out.astype(v.dtype), lse
 
 
 def _ring_fwd(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
-              mods=None):
+              mods=None, visible=None):
   out, lse = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
-                           mods)
+                           mods, visible)
   return (out, lse), (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, mods,
-                      out, lse)
+                      visible, out, lse)
 
 
 def _ring_bwd(ring: Ring, residuals, cotangents):
   d_out, _ = cotangents  # the lse carries no gradient, as jax.nn's residual
-  q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, mods, out, lse = residuals
+  (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, mods, visible, out,
+   lse) = residuals
   lay = ring.layout
-  q_parts = list(zip(ring.split(q, "T"), ring.split(q_ids, "T", axis=1),
-                     ring.split(out, "T"), jnp.split(lse, ring.chunks, axis=-1),
-                     ring.split(d_out, "T")))
+  tq, sk = _sizes(ring, q, k)
 
-  def step(_, carry):
-    (d_qs, d_consts), travelling = carry
-    k_blk, v_blk, kv_off, kv_ids_blk, d_k_blk, d_v_blk = travelling
-    d_qs = list(d_qs)
-    d_ks, d_vs = ring.split(d_k_blk, "S"), ring.split(d_v_blk, "S")
-    kv_parts = list(zip(ring.split(k_blk, "S"), ring.split(v_blk, "S"),
-                        ring.split(kv_ids_blk, "S", axis=1)))
-    for a, (qa, qa_ids, out_a, lse_a, d_out_a) in enumerate(q_parts):
-      for b, (kb, vb, kb_ids) in enumerate(kv_parts):
+  def pairs(carry, travelling):
+    k_blk, v_blk, kv_off, kv_ids_blk = travelling
+
+    def body(a, b, carry):
+      def compute(carry):
+        d_q, d_consts, d_k, d_v = carry
         dq, dk, dv, dc = ring.step_backward(
-            qa, kb, vb, ring.modifiers(qa_ids, kb_ids, q_len, kv_len, mods), q_offsets[a],
-            kv_off[b], out_a, lse_a, d_out_a)
-        d_qs[a], d_ks[b], d_vs[b] = d_qs[a] + dq, d_ks[b] + dk, d_vs[b] + dv
-        d_consts = jax.tree.map(jnp.add, d_consts, dc)
-    travelling = (k_blk, v_blk, kv_off, kv_ids_blk, ring.merge(d_ks, "S"), ring.merge(d_vs, "S"))
-    return (tuple(d_qs), d_consts), ring.pass_on(travelling)
+            ring.chunk(q, "T", a, tq), ring.chunk(k_blk, "S", b, sk),
+            ring.chunk(v_blk, "S", b, sk),
+            ring.modifiers(ring.chunk(q_ids, "T", a, tq, 1),
+                           ring.chunk(kv_ids_blk, "S", b, sk, 1), q_len, kv_len, mods),
+            q_offsets[a], kv_off[b], ring.chunk(out, "T", a, tq),
+            ring.chunk(lse, "T", a, tq, 2), ring.chunk(d_out, "T", a, tq))
+        return (ring.add_to_chunk(d_q, dq, "T", a, tq), jax.tree.map(jnp.add, d_consts, dc),
+                ring.add_to_chunk(d_k, dk, "S", b, sk), ring.add_to_chunk(d_v, dv, "S", b, sk))
+      return _if_visible(visible, q_offsets[a], kv_off[b], (tq, sk), compute, carry)
+    return _each_pair(ring, body, carry)
 
-  start = (k, v, kv_offsets, kv_ids, ring.fresh(k.shape), ring.fresh(v.shape))
-  d_qs = tuple(ring.fresh(part[0].shape) for part in q_parts)
   consts = () if mods is None else mods.score_consts
-  d_consts0 = tuple(jnp.zeros(c.shape, jnp.float32)
-                    if jnp.issubdtype(c.dtype, jnp.inexact) else None for c in consts)
-  # P hops bring every block, with its accumulated gradients, back home.
-  (d_qs, d_consts), (*_, d_k, d_v) = jax.lax.fori_loop(
-      0, ring.num_devices, step, ((d_qs, d_consts0), start))
+  d_consts = tuple(jnp.zeros(c.shape, jnp.float32)
+                   if jnp.issubdtype(c.dtype, jnp.inexact) else None for c in consts)
+  # each K/V chunk travels with its own dK, dV accumulators (the last two of the carry)
+  carry = (ring.fresh(q.shape), d_consts, ring.fresh(k.shape), ring.fresh(v.shape))
+  travelling = (k, v, kv_offsets, kv_ids)
+  if ring.steps > 1:
+    def step(_, c):
+      carry, travelling = pairs(*c), c[1]
+      d_kv = ring.pass_on(carry[2:])
+      return (*carry[:2], *d_kv), ring.pass_on(travelling)
+    carry, travelling = jax.lax.fori_loop(0, ring.steps - 1, step, (carry, travelling))
+  d_q, d_consts, d_k, d_v = pairs(carry, travelling)
+  if ring.steps > 1:  # the P-th hop brings every dK, dV home
+    d_k, d_v = ring.pass_on((d_k, d_v))
   d_mods = None
   if mods is not None:
     # This device's share of the gradients of the replicated sinks and score_mod
@@ -252,9 +267,9 @@ def _ring_bwd(ring: Ring, residuals, cotangents):
     d_sinks = None if mods.sinks is None else sinks_grad(
         out, lse, d_out, mods.sinks, lay.out).astype(mods.sinks.dtype)
     d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
-  # Offsets, segment ids and lengths are integers: no cotangent.
-  return (ring.merge(d_qs, "T").astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
-          None, None, None, None, None, None, d_mods)
+  # Offsets, segment ids, lengths and the chunk table are integers: no cotangent.
+  return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype),
+          None, None, None, None, None, None, d_mods, None)
 
 
 ring_core.defvjp(_ring_fwd, _ring_bwd)
