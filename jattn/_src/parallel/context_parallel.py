@@ -192,7 +192,8 @@ def prepare(caller, query, key, value, bias, mask, *, mesh, axis_name, strategy,
   local = local_dims(dims, mesh, batch_axis_name, head_axis_name)
   sizes = _plan.Sizes(B=local["B"], T=dims["T"], S=dims["S"], N=local["N"], K=local["K"],
                       H=dims["H"], D=dims["D"], itemsize=np.dtype(call.dtype).itemsize, P=P)
-  chunks, bq, bk = _plan.table_blocks(dims["T"], dims["S"], P)
+  chunks, bq, bk = _plan.table_blocks(
+      dims["T"], dims["S"], P, load_balance if isinstance(load_balance, ChunkOrder) else None)
   blocks, notes = block_work.static_blocks(call.structure, mods, dims["B"], dims["T"],
                                            dims["S"], bq, bk)
   order, refusal, notes = _plan.order_for(blocks, notes, load_balance, sizes, chunks,

@@ -31,6 +31,9 @@ from jattn._src.parallel.relayout import bytes_moved
 
 STRATEGIES = ("ring", "all_gather", "ulysses")
 _TABLE_BLOCK = 256  # the work table's blocks: the finest chunk, cut to at most this
+# Chunks shorter than this are not dealt (beyond zig-zag's two per device): each chunk
+# pair is a blockwise call, whose blocks would shrink to the chunk and its fixed cost grow.
+MIN_CHUNK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +120,7 @@ class ContextParallelPlan:
         continue
       path = "" if c.critical_path is None else f", ring critical path {c.critical_path:.0f}"
       lines.append(
-          f"  {name:10s} work max {c.max_work:.0f} / mean {c.mean_work:.1f} "
+          f"  {name:10s} work max {c.max_work:g} / mean {c.mean_work:.1f} "
           f"(imbalance {c.imbalance:.2f}){path}; sends {_mib(max(c.bytes_sent))} per device "
           f"(fwd+bwd); holds {_mib(c.memory)}")
     return "\n".join(lines)
@@ -134,10 +137,15 @@ def divisibility(length: int, letter: str, chunks: int, P: int, axis_name: str) 
   return None
 
 
-def table_blocks(T: int, S: int, P: int) -> tuple[tuple[int, ...], int, int]:
-  """(chunks per device that divide T and S, the table's bq and bk): the table's blocks
-  are the finest chunk, cut down to at most `_TABLE_BLOCK` tokens."""
-  chunks = tuple(c for c in (1,) + _balance.CHUNKS if T % (c * P) == 0 and S % (c * P) == 0)
+def table_blocks(T: int, S: int, P: int, given=None) -> tuple[tuple[int, ...], int, int]:
+  """(chunks per device that divide T and S and are at least `MIN_CHUNK` long beyond two,
+  the table's bq and bk): the table's blocks are the finest chunk, cut down to at most
+  `_TABLE_BLOCK` tokens. given: a `ChunkOrder` of the caller's, whose chunks are the
+  table's (where they divide T and S)."""
+  chunks = tuple(c for c in (1,) + _balance.CHUNKS if T % (c * P) == 0 and S % (c * P) == 0
+                 and (c <= 2 or min(T, S) // (c * P) >= MIN_CHUNK))
+  if given is not None and T % given.C == 0 and S % given.C == 0:  # the caller's order
+    chunks = (given.c,)
 
   def block(length):
     finest = length // (max(chunks) * P)
