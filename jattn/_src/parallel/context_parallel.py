@@ -229,8 +229,9 @@ def _local_shape(prep: _Prepared) -> tuple[Ring, dict, tuple[int, int]]:
   if plan.strategy == "ring":
     shape = dict(steps=P, q_chunks=order.c, kv_chunks=order.c)
     pair = (T // order.C, S // order.C)
-  elif plan.strategy == "all_gather":
-    shape, pair = dict(steps=1, q_chunks=order.c, kv_chunks=1), (T // order.C, S)
+  elif plan.strategy == "all_gather":  # every chunk of K/V local, each pair its own call
+    shape, pair = dict(steps=1, q_chunks=order.c, kv_chunks=order.C), (T // order.C,
+                                                                        S // order.C)
   else:
     shape, pair = dict(steps=1, q_chunks=1, kv_chunks=1), (T, S)
     local = dict(local, N=local["N"] // P, K=local["K"] // P)

@@ -4,7 +4,8 @@
               go round the ring in P steps (`ring_loop`).
   all_gather  the queries dealt in the balanced order; the K/V gathered once along
               the sequence (`jax.lax.all_gather`), so each device attends its
-              queries to all of S in one step.
+              queries to all of S in one step, chunk pair by chunk pair (skipping
+              the empty ones, as the ring does).
   ulysses     `jax.lax.all_to_all` turns the sequence sharding into head sharding:
               each device gets every position of N / P query heads (K / P kv heads),
               runs ordinary attention with the mask unchanged, and a second
@@ -49,11 +50,12 @@ def _dealt(local: Local, q, k, v, q_ids, kv_ids, q_len, kv_len, mods, visible):
   if local.strategy == "ring":
     k, v, kv_ids = to(k, lay.axis("S")), to(v, lay.axis("S")), to(kv_ids, 1)
     kv_offsets = chunks * (k.shape[lay.axis("S")] // order.c)
-  else:  # every device's K/V, in the caller's (contiguous) order: one chunk at 0
+  else:  # every device's K/V in the caller's (contiguous) order, in chunks of the order's
     gather = lambda x, axis: None if x is None else jax.lax.all_gather(
         x, name, axis=axis, tiled=True)
     k, v, kv_ids = gather(k, lay.axis("S")), gather(v, lay.axis("S")), gather(kv_ids, 1)
-    kv_offsets = jnp.zeros((1,), jnp.int32)
+    size = k.shape[lay.axis("S")] // order.C
+    kv_offsets = jnp.arange(order.C, dtype=jnp.int32) * size
   out, lse = ring_core(local.ring, q, k, v, chunks * t_chunk, kv_offsets, q_ids, kv_ids,
                        q_len, kv_len, mods, visible)
   back = lambda x, axis: from_order(x, axis, name, order)
