@@ -208,8 +208,10 @@ def _eqn(eqn, ins, in_tags, ctx):
     ins = [x if _is_tile(x) else jnp.broadcast_to(x, tile_shape) for x in ins]
   if name == "sign":  # Mosaic's rule asks the TPU generation (not known when exporting)
     x = ins[0]
-    one, zero = jnp.ones((), x.dtype), jnp.zeros((), x.dtype)
-    return [jnp.where(x > zero, one, jnp.where(x < zero, -one, x))]
+    # -1 as a constant: Triton's rule for neg takes no literal (jax's own floor_divide
+    # asks for the sign of its constant divisor)
+    one, zero, minus_one = (jnp.full((), c, x.dtype) for c in (1, 0, -1))
+    return [jnp.where(x > zero, one, jnp.where(x < zero, minus_one, x))]
   out = eqn.primitive.bind(*ins, **eqn.params)
   return out if eqn.primitive.multiple_results else [out]
 
