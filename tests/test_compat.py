@@ -62,7 +62,9 @@ CASES = {
     "splash_kernel": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
     "splash_mask": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
     "splash_computable_mask": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
-    "pallas_mha": ("pallas", "cuda", dict(is_causal=True), "pallas", "flex_gpu"),
+    # pallas is the default on CUDA where flex_gpu refuses: a traced scale
+    "pallas_mha": ("pallas", "cuda", dict(is_causal=True, scale=jnp.float32(0.125)), "pallas",
+                   "xla"),
     # a window: jax's mha refuses it, so flex_gpu takes it
     "pallas_triton": ("flex_gpu", "cuda", dict(local_window_size=(64, 0)), "flex_gpu",
                       "xla"),
@@ -103,7 +105,7 @@ def test_a_missing_cudnn_check_refuses_cudnn_with_the_reason(monkeypatch):
   report = jattn.explain(q, q, q, is_causal=True)
   assert report.reasons("cuda")["cudnn"] == compat.missing("cudnn_check")
   assert "check_cudnn_version" in compat.missing("cudnn_check")
-  assert report.implementation("cuda") == "pallas"
+  assert report.implementation("cuda") == "flex_gpu"
 
 
 def test_the_cpu_result_is_unchanged_without_the_kernels(monkeypatch):

@@ -143,7 +143,11 @@ def preference(call, platform: str) -> tuple[str, ...]:
     return ("xla", "blockwise") if small else ("blockwise", "xla")
   fits = 4 * d.B * d.N * d.T * d.S <= ACCELERATOR_XLA_LOGITS_BYTES
   generic = ("xla", "blockwise") if fits else ("blockwise", "xla")
-  # splash first on TPU: jax's tuned kernel, until a TPU benchmark says otherwise
+  # splash first on TPU: jax's tuned kernel, until a TPU benchmark says otherwise.
+  # CUDA, measured on an H200 (benchmarks/results/gpu_h200_bench.json, bfloat16, H = 128,
+  # T = 4k and 16k): cuDNN fastest wherever it applies; flex_gpu before jax's Pallas mha,
+  # which is 1.6x (causal) to 2x (no mask) slower forward + backward and, with document
+  # ids, 4.5x (forward) and 8.7x (forward + backward) slower, as it skips no block.
   kernels = {"tpu": ("splash", "flex_tpu"),
-             "cuda": ("cudnn", "pallas", "flex_gpu")}.get(platform, ())
+             "cuda": ("cudnn", "flex_gpu", "pallas")}.get(platform, ())
   return kernels + generic
