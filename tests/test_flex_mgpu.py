@@ -256,3 +256,16 @@ def test_dispatch_flex_gpu_stays_the_default_and_the_refusals_in_words():
   with pytest.raises(ValueError, match="flex_mgpu.*NVIDIA GPU"):
     x = jnp.ones((1, 8, 1, 64), jnp.bfloat16)
     jattn.dot_product_attention(x, x, x, implementation="flex_mgpu")
+
+
+def test_a_gpu_before_hopper_is_refused(monkeypatch):
+  """The plan reads the compute capability of a GPU this process sees (none here)."""
+  from jattn._src.kernels import flex_mgpu
+  q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+  monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (8, 0))
+  report = jattn.explain(q, q, q, implementation="flex_mgpu", is_causal=True)
+  if compat.missing("pallas_mosaic_gpu") is None:
+    assert ("this GPU has compute capability 8.0: TMA and wgmma need 9.0 (Hopper) or newer; "
+            "flex_gpu runs there") in str(report), str(report)
+  monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (9, 0))
+  assert "compute capability" not in str(jattn.explain(q, q, q, implementation="flex_mgpu"))

@@ -23,7 +23,9 @@ Sinks join after the kernel, as in "blockwise".
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -103,6 +105,10 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     if np.dtype(dtype) == np.float32 and reason.startswith("dtype"):
       reason += " (wgmma would round float32 to TF32; flex_gpu takes float32)"
     return reason
+  capability = _gpu_capability()
+  if capability is not None and capability < (9, 0):
+    return (f"this GPU has compute capability {capability[0]}.{capability[1]}: TMA and "
+            "wgmma need 9.0 (Hopper) or newer; flex_gpu runs there")
   st = m.structure
   if (st.q_segment_ids is None) != (st.kv_segment_ids is None):
     return "segment ids for one side only"
@@ -120,6 +126,20 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
            score_reads=facts.score_reads)
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_capability() -> tuple[int, int] | None:
+  """The compute capability of the GPU this process sees, or None (no GPU: an export from
+  a CPU host, where the lowering cannot tell the target's generation)."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return None
+  capability = getattr(devices[0], "compute_capability", None) if devices else None
+  if not capability:
+    return None
+  return tuple(int(x) for x in str(capability).split(".")[:2])
 
 
 def side_sizes(p: Plan, mods) -> tuple[int, int, int, int]:
