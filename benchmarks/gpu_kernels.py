@@ -1,5 +1,6 @@
-"""GPU benchmark: jattn's flex_gpu and default dispatch against cuDNN, jax's Pallas mha,
-PyTorch FlexAttention and PyTorch SDPA, on the same card in one process.
+"""GPU benchmark: jattn's flex_gpu (Triton), flex_mgpu (Mosaic GPU) and default dispatch
+against cuDNN, jax's Pallas mha, PyTorch FlexAttention and PyTorch SDPA, on the same card
+in one process.
 
     python benchmarks/gpu_kernels.py [--lengths 1024 4096 16384] [--tokens 8192] [--N 16]
         [--H 128] [--dtype bfloat16] [--rounds 7] [--deadline 240] [--out r.json]
@@ -43,6 +44,7 @@ import numpy as np  # noqa: E402
 
 import jattn  # noqa: E402
 from jattn import mods  # noqa: E402
+from jattn._src import compat  # noqa: E402
 from jattn._src.impl.interpret import pallas_interpret  # noqa: E402
 from jattn._src.kernels import flex_gpu  # noqa: E402
 
@@ -72,6 +74,10 @@ def jax_contenders(case: str, B: int, T: int, N: int, smoke: bool = False):
   attend = lambda impl, **extra: (lambda q, k, v: jattn.dot_product_attention(
       q, k, v, implementation=impl, **{**kw, **extra}))
   out = {"flex_gpu": attend("flex_gpu"), "jattn_default": attend(None)}
+  # the Mosaic GPU kernel, where this jax has it (and, in the smoke run, its interpreter)
+  if compat.missing("pallas_mosaic_gpu") is None and not (
+      smoke and compat.missing("mosaic_gpu_interpret")):
+    out["flex_mgpu"] = attend("flex_mgpu")
   if case == "causal":
     out["flex_gpu:mask_mod"] = lambda q, k, v: jattn.dot_product_attention(
         q, k, v, implementation="flex_gpu", mask_mod=mods.causal())
@@ -297,6 +303,11 @@ def ratios(results) -> list[dict]:
   ms = {(r["T"], r["case"], r["pass_"], r["contender"]): r["ms"] for r in results}
   goals = [("causal mask_mod / cuDNN causal", "<= 1.2", ("causal", "flex_gpu:mask_mod"),
             ("causal", "cudnn")),
+           # flex_mgpu replaces flex_gpu as the default where it is at least as fast
+           ("flex_mgpu causal / flex_gpu causal", "<= 1.0", ("causal", "flex_mgpu"),
+            ("causal", "flex_gpu")),
+           ("flex_mgpu documents / flex_gpu documents", "<= 1.0", ("documents", "flex_mgpu"),
+            ("documents", "flex_gpu")),
            ("flex_gpu causal / torch FlexAttention causal", "<= 1.0", ("causal", "flex_gpu"),
             ("causal", "torch_flex")),
            ("flex_gpu documents / torch FlexAttention documents", "<= 1.0",

@@ -40,9 +40,15 @@ def _fresh_answers():
   cudnn.cudnn_missing.cache_clear()
 
 
+# APIs the oldest supported jax lacks (a test that needs one skips there)
+NEWER = {"mosaic_gpu_interpret": "jax >= 0.11"}
+
+
 @pytest.mark.parametrize("how", ["module", "attribute"])
 @pytest.mark.parametrize("api", list(compat.APIS))
 def test_every_api_is_there_and_a_missing_one_is_named(api, how, monkeypatch):
+  if api in NEWER and compat.missing(api) is not None:
+    pytest.skip(f"{api} is in {NEWER[api]}, not jax {jax.__version__}")
   assert compat.missing(api) is None
   assert compat.load(api) is not None
   loader, needed_by = compat.APIS[api]
@@ -62,10 +68,12 @@ CASES = {
     "splash_kernel": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
     "splash_mask": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
     "splash_computable_mask": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
-    "pallas_mha": ("pallas", "cuda", dict(is_causal=True), "pallas", "flex_gpu"),
-    # a window: jax's mha refuses it, so flex_gpu takes it
+    # pallas is the default on CUDA where flex_gpu refuses: a traced scale
+    "pallas_mha": ("pallas", "cuda", dict(is_causal=True, scale=jnp.float32(0.125)), "pallas",
+                   "xla"),
+    # a window: jax's mha refuses it, so flex_gpu takes it (without Triton, flex_mgpu)
     "pallas_triton": ("flex_gpu", "cuda", dict(local_window_size=(64, 0)), "flex_gpu",
-                      "xla"),
+                      "flex_mgpu"),
     # a hand-written mask: splash refuses it, so flex_tpu takes it
     "pallas_tpu": ("flex_tpu", "tpu", dict(mask_mod=lambda b, n, t, s: s <= t), "flex_tpu",
                    "xla"),
@@ -96,6 +104,18 @@ def test_a_missing_api_refuses_its_plan_and_none_falls_back(api, how, monkeypatc
     jattn.dot_product_attention(x, x, x, implementation=name, **kw)
 
 
+@pytest.mark.parametrize("how", ["module", "attribute"])
+def test_without_triton_flex_mgpu_takes_over_and_without_mosaic_gpu_refuses(how, monkeypatch):
+  q = jax.ShapeDtypeStruct((1, T, 2, 64), jnp.bfloat16)
+  _take_away(monkeypatch, "pallas_triton", "module")
+  assert jattn.explain(q, q, q, local_window_size=(64, 0)).implementation("cuda") == "flex_mgpu"
+  _take_away(monkeypatch, "pallas_mosaic_gpu", how)
+  report = jattn.explain(q, q, q, local_window_size=(64, 0))
+  assert report.implementation("cuda") == "xla", str(report)
+  assert report.reasons("cuda")["flex_mgpu"] == compat.missing("pallas_mosaic_gpu")
+  assert "jax.experimental.pallas.mosaic_gpu" in compat.missing("pallas_mosaic_gpu")
+
+
 def test_a_missing_cudnn_check_refuses_cudnn_with_the_reason(monkeypatch):
   q = jax.ShapeDtypeStruct((1, T, 2, 64), jnp.bfloat16)
   assert "cuDNN is not detected" in jattn.explain(q, q, q).reasons("cuda")["cudnn"]
@@ -103,7 +123,7 @@ def test_a_missing_cudnn_check_refuses_cudnn_with_the_reason(monkeypatch):
   report = jattn.explain(q, q, q, is_causal=True)
   assert report.reasons("cuda")["cudnn"] == compat.missing("cudnn_check")
   assert "check_cudnn_version" in compat.missing("cudnn_check")
-  assert report.implementation("cuda") == "pallas"
+  assert report.implementation("cuda") == "flex_gpu"
 
 
 def test_the_cpu_result_is_unchanged_without_the_kernels(monkeypatch):

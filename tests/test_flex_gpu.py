@@ -343,6 +343,20 @@ def test_dispatch_on_cuda_and_the_refusals_in_words():
                                 jnp.ones((1, 8, 1, 16)), implementation="flex_gpu")
 
 
+def test_float32_heads_past_128_are_refused():
+  """On an H200, float32 tiles of a 256-wide head overflowed shared memory; 128 ran."""
+  for H, dtype, refused in ((256, jnp.float32, True), (129, jnp.float32, True),
+                            (128, jnp.float32, False), (256, jnp.bfloat16, False)):
+    q = jax.ShapeDtypeStruct((1, 64, 2, H), dtype)
+    report = jattn.explain(q, q, q, local_window_size=(3, 3))
+    reason = report.reasons("cuda").get("flex_gpu")
+    if refused:
+      assert reason == (f"head sizes H = {H}, D = {H}: its 32-bit tiles take heads of up "
+                        f"to 128 (GPU shared memory)"), reason
+    else:
+      assert report.implementation("cuda") == "flex_gpu", str(report)
+
+
 @pytest.mark.parametrize("implementation", ["flex_gpu", "flex_tpu"])
 def test_document_mask_through_the_call(implementation):
   """mods.document(ids) passes one array for queries and keys: the plan (traced outside

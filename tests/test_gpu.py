@@ -1,6 +1,7 @@
 """Every CUDA implementation compiled on an NVIDIA GPU, against the float64 reference.
 
-cudnn, pallas (jax's Pallas `mha`), flex_gpu (jattn's Triton kernel), xla, blockwise and
+cudnn, pallas (jax's Pallas `mha`), flex_gpu (jattn's Triton kernel), flex_mgpu (jattn's
+Mosaic GPU kernel), xla, blockwise and
 implementation=None; forward and `jax.grad` into q, k, v; the built-in masks and every
 `jattn.mods` mask and score function, sinks, hand-written mods, a row with no visible
 key; float32, bfloat16 and float16; H = 64 and 128, T != S, unaligned T, grouped heads.
@@ -36,7 +37,7 @@ REHEARSAL = not ON_GPU and os.environ.get("JATTN_GPU_REHEARSAL") == "1"
 _NEEDS_GPU = pytest.mark.skipif(not (ON_GPU or REHEARSAL),
                                 reason="needs an NVIDIA GPU (or JATTN_GPU_REHEARSAL=1)")
 
-IMPLEMENTATIONS = ("cudnn", "pallas", "flex_gpu", "xla", "blockwise", None)
+IMPLEMENTATIONS = ("cudnn", "pallas", "flex_gpu", "flex_mgpu", "xla", "blockwise", None)
 # relative error ||x - ref|| / ||ref|| allowed per dtype: float32 computed at full
 # precision; the half types round P (and the output) to 8 or 11 bits
 TOLERANCE = {"float32": 2e-4, "bfloat16": 3e-2, "float16": 5e-3}
@@ -126,6 +127,7 @@ def _matrix():
   if REHEARSAL:  # a few of each kind, interpreted
     keep = {("flex_gpu", "alibi", "bfloat16", "base"), ("flex_gpu", "empty_rows", "float32", "base"),
             ("pallas", "causal", "float16", "base"), ("xla", "sinks", "bfloat16", "cross"),
+            ("flex_mgpu", "mods_document", "bfloat16", "cross"),
             ("blockwise", "mods_document", "bfloat16", "unaligned"),
             (None, "causal", "bfloat16", "h128"), ("cudnn", "causal", "bfloat16", "base")}
     rows = [r for r in rows if r in keep]
@@ -194,6 +196,7 @@ KERNEL_NAMES = {  # implementation -> (a forward kernel, a backward kernel) in t
     "cudnn": ("__cudnn$fmha", "Backward"),
     "pallas": ("mha_forward", "mha_backward"),
     "flex_gpu": ("jattn_flex_gpu_fwd", "jattn_flex_gpu_dq"),
+    "flex_mgpu": ("jattn_flex_mgpu_fwd", "jattn_flex_mgpu_dq"),
 }
 
 
@@ -204,6 +207,8 @@ def kernels_in(text: str) -> str:
   # a Triton call's kernel name is its `name` attribute (the serialized kernels also carry
   # source locations, which may name other kernels' functions)
   kernels = set(re.findall(r'\bname = "(\w+)"', text))
+  if KERNEL_NAMES["flex_mgpu"][0] in text:  # a Mosaic GPU call carries its kernel's name
+    return "flex_mgpu"
   for name in ("pallas", "flex_gpu"):
     if KERNEL_NAMES[name][0] in kernels:
       return name
@@ -241,6 +246,8 @@ def test_what_runs_is_what_explain_names(case, dtype, shape):
   assert kernels_in(grad_text) == named, f"explain names {named}"
   if named in ("pallas", "flex_gpu"):  # the backward is the kernel's too
     assert KERNEL_NAMES[named][1] in re.findall(r'\bname = "(\w+)"', grad_text)
+  elif named == "flex_mgpu":
+    assert KERNEL_NAMES[named][1] in grad_text
   elif named == "cudnn":
     assert re.search(r"__cudnn\$fmha\w*Backward", grad_text)
 

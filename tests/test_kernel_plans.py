@@ -4,7 +4,9 @@ asked of `jattn.explain` with shapes only (nothing is computed, milliseconds a c
 The expected plans and reasons are written out by hand from the kernels' contracts
 (splash: T and S multiples of 128, H == D, float32 or bfloat16, masks of causal,
 local, chunk and segment ids; jax's Pallas GPU mha: causal and one segment-id
-array for T == S, nothing else), not derived from jattn. Whether a row may see
+array for T == S, nothing else, H == D, blocks of min(128, length) that divide T
+and S, are powers of 2 and at least 16, as many for T as for S (its backward), and
+heads up to 128 in 16-bit floats and 32 in float32), not derived from jattn. Whether a row may see
 no key (the splash plan's guard) is also checked against the masks in NumPy.
 """
 
@@ -23,15 +25,17 @@ IDS = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [100, 100, 56], axis=1).astype
 IDS2 = np.repeat(np.array([[0, 1, 2], [1, 1, 2]]), [50, 150, 56], axis=1).astype(np.int32)
 
 
-def _shapes(T=T, S=None, D=H, dtype=jnp.bfloat16, kv_heads=K):
+def _shapes(T=T, S=None, D=None, dtype=jnp.bfloat16, kv_heads=K, H=H):
   S = T if S is None else S
+  D = H if D is None else D
   return (jax.ShapeDtypeStruct((B, T, N, H), dtype), jax.ShapeDtypeStruct((B, S, kv_heads, H), dtype),
           jax.ShapeDtypeStruct((B, S, kv_heads, D), dtype))
 
 
-def plan(kernel, platform, *, T=T, S=None, D=H, dtype=jnp.bfloat16, **kw):
+def plan(kernel, platform, *, T=T, S=None, D=None, dtype=jnp.bfloat16, H=H, **kw):
   """The kernel's plan on `platform`, or its reason (a str) for refusing the call."""
-  choice = jattn.explain(*_shapes(T, S, D, dtype), implementation=kernel, **kw).choices[platform]
+  choice = jattn.explain(*_shapes(T, S, D, dtype, H=H), implementation=kernel,
+                         **kw).choices[platform]
   return choice.plan if choice.implementation == kernel else choice.passed_over[0][1]
 
 
@@ -39,8 +43,11 @@ def splash(**kw):
   return plan("splash", "tpu", **kw)
 
 
+PALLAS_H = 16  # Triton's dot takes no head smaller than 16
+
+
 def pallas(**kw):
-  return plan("pallas", "cuda", **kw)
+  return plan("pallas", "cuda", **{"H": PALLAS_H, **kw})
 
 
 def splash_plan(mask, **kw):
@@ -178,7 +185,7 @@ def test_splash_guards_every_call_that_can_empty_a_row(name):
 
 # ------------------------------------------------------------------ pallas (GPU)
 
-SCALE = 1 / np.sqrt(H)
+SCALE = 1 / np.sqrt(PALLAS_H)
 PALLAS_TAKES = {
     "nothing": (dict(), PallasPlan(False, False, False, SCALE, False)),
     "causal": (dict(is_causal=True), PallasPlan(True, False, False, SCALE, False)),
@@ -190,8 +197,12 @@ PALLAS_TAKES = {
     "document": (dict(mask_mod=mods.document(IDS)), PallasPlan(False, True, True, SCALE, False)),
     "causal_document": (dict(is_causal=True, mask_mod=mods.document(IDS)),
                         PallasPlan(True, True, True, SCALE, False)),
-    "short": (dict(T=96, S=96), PallasPlan(False, False, False, SCALE, False)),
-    "fewer_keys": (dict(T=256, S=128), PallasPlan(False, False, False, SCALE, False)),
+    "short": (dict(T=64, S=64), PallasPlan(False, False, False, SCALE, False)),
+    "one_block_each": (dict(T=16, S=128), PallasPlan(False, False, False, SCALE, False)),
+    "three_blocks_each": (dict(T=384, S=384), PallasPlan(False, False, False, SCALE, False)),
+    "widest_head": (dict(H=128), PallasPlan(False, False, False, 1 / np.sqrt(128), False)),
+    "widest_float32_head": (dict(H=32, dtype=jnp.float32),
+                            PallasPlan(False, False, False, 1 / np.sqrt(32), False)),
     "float16": (dict(dtype=jnp.float16), PallasPlan(False, False, False, SCALE, False)),
     "float32": (dict(dtype=jnp.float32), PallasPlan(False, False, False, SCALE, False)),
 }
@@ -220,18 +231,28 @@ PALLAS_REFUSES = {
                    "cannot honour key_value_seq_lengths"),
     "score_mod": (dict(score_mod=mods.soft_cap(2.0)), "cannot honour score_mod"),
     "sinks": (dict(sinks=np.zeros(N, np.float32)), "cannot honour sinks"),
-    "head_sizes": (dict(D=16), "D equal to H, got H=8, D=16"),
+    "head_sizes": (dict(D=32), "D equal to H, got H=16, D=32"),
     "T": (dict(T=200, S=256), "multiples of 128 (or smaller), got T=200, S=256"),
     "S": (dict(T=256, S=200), "multiples of 128 (or smaller), got T=256, S=200"),
+    # issue 37: what mha's backward, Triton and the GPU cannot take
+    "blocks_not_powers_of_2": (dict(T=96, S=96), "powers of 2, got blocks of 96 x 96"),
+    "odd_lengths": (dict(T=7, S=8), "powers of 2, got blocks of 7 x 8"),
+    "small_blocks": (dict(T=8, S=8), "at least 16, got blocks of 8 x 8 and H=16"),
+    "small_head": (dict(H=8), "at least 16, got blocks of 128 x 128 and H=8"),
+    "more_key_blocks": (dict(T=16, S=256), "same number of blocks, got T=16 in 1 and S=256 in 2"),
+    "fewer_key_blocks": (dict(T=256, S=128), "got T=256 in 2 and S=128 in 1"),
+    "wide_head": (dict(H=192), "heads of up to 128 in 16-bit floats (GPU shared memory), got H=192"),
+    "wide_float32_head": (dict(H=48, dtype=jnp.float32), "heads of up to 32 in 32-bit floats"),
     "chunked": (dict(mask_mod=mods.chunked(4)), "lowers only mods.causal and mods.document, "
                                                 "got mask_mod Chunked"),
     "and_masks": (dict(mask_mod=mods.and_masks(mods.causal())), "got mask_mod And"),
     "document_and_segments": (dict(mask_mod=mods.document(IDS), q_segment_ids=IDS,
                                    kv_segment_ids=IDS), "both segment ids and a mods.document"),
     "document_shape": (dict(mask_mod=mods.document(IDS[:, :128], IDS)), "must be [B, T] and [B, S]"),
-    "causal_T_S": (dict(T=256, S=128, is_causal=True), "need T == S, got T=256, S=128"),
-    "mod_causal_T_S": (dict(T=128, S=256, mask_mod=mods.causal()), "need T == S"),
-    "segments_T_S": (dict(T=128, S=256, q_segment_ids=IDS[:, :128], kv_segment_ids=IDS),
+    # T and S in one block each: only the masks stand in the way
+    "causal_T_S": (dict(T=128, S=64, is_causal=True), "need T == S, got T=128, S=64"),
+    "mod_causal_T_S": (dict(T=64, S=128, mask_mod=mods.causal()), "need T == S"),
+    "segments_T_S": (dict(T=64, S=128, q_segment_ids=IDS[:, :64], kv_segment_ids=IDS[:, :128]),
                      "need T == S"),
     "two_id_arrays": (dict(q_segment_ids=IDS, kv_segment_ids=IDS.copy()),
                       "pass the same array as q_segment_ids and kv_segment_ids"),

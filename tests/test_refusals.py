@@ -25,10 +25,11 @@ def host_with_cudnn(monkeypatch):
   monkeypatch.setattr(cudnn, "cudnn_missing", lambda: None)
 
 
-def _cudnn_reason(dtype=jnp.bfloat16, H=64, D=64, **kwargs):
-  q = jax.ShapeDtypeStruct((2, 16, 4, H), dtype)
-  v = jax.ShapeDtypeStruct((2, 16, 4, D), dtype)
-  report = jattn.explain(q, q, v, implementation="cudnn", **kwargs)
+def _cudnn_reason(dtype=jnp.bfloat16, H=64, D=64, T=16, S=16, **kwargs):
+  q = jax.ShapeDtypeStruct((2, T, 4, H), dtype)
+  k = jax.ShapeDtypeStruct((2, S, 4, H), dtype)
+  v = jax.ShapeDtypeStruct((2, S, 4, D), dtype)
+  report = jattn.explain(q, k, v, implementation="cudnn", **kwargs)
   return {p: report.reasons(p).get("cudnn") for p in ("cpu", "tpu", "cuda")}
 
 
@@ -36,6 +37,13 @@ def test_cudnn_accepts_what_it_can_run(host_with_cudnn):
   assert _cudnn_reason()["cuda"] is None
   assert _cudnn_reason(jnp.float16, H=128, D=128)["cuda"] is None
   assert _cudnn_reason(H=8, D=8)["cuda"] is None
+  # issue 37, each seen right on an H200: cross-attention, a left window (run as
+  # causal), a right one under is_causal, a window with T < S, a full-size bias
+  assert _cudnn_reason(T=8, S=256)["cuda"] is None
+  assert _cudnn_reason(local_window_size=(3, 0))["cuda"] is None
+  assert _cudnn_reason(local_window_size=(3, 2), is_causal=True)["cuda"] is None
+  assert _cudnn_reason(T=8, S=16, local_window_size=(3, 0))["cuda"] is None
+  assert _cudnn_reason(bias=jnp.zeros((1, 1, 16, 16)))["cuda"] is None
 
 
 def test_cudnn_is_refused_without_cudnn_on_the_host():
@@ -56,6 +64,17 @@ def test_cudnn_is_refused_without_cudnn_on_the_host():
      "no q_segment_ids / kv_segment_ids"),
     (dict(return_weights=True), "cuda", "return_weights=True"),
     (dict(sinks=jnp.zeros(4)), "cuda", "it cannot honour sinks"),
+    # issue 37: what jax's cuDNN path raises while the call or its gradient is traced
+    (dict(T=7, S=8), "cuda", "needs even T and S, got T=7, S=8"),
+    (dict(T=16, S=13), "cuda", "needs even T and S, got T=16, S=13"),
+    (dict(bias=jnp.zeros((1, 1, 1, 16))), "cuda",
+     "its bias must span T and S (jax's cuDNN takes no broadcast there), got bias of "
+     "shape (1, 1, 1, 16)"),
+    (dict(mask=jnp.ones((2, 1, 16, 1), bool)), "cuda", "its mask must span T and S"),
+    (dict(local_window_size=(3, 2)), "cuda",
+     "looks left only (jax.nn raises for a right window without is_causal), got "
+     "local_window_size=(3, 2)"),
+    (dict(T=16, S=8, local_window_size=(3, 0)), "cuda", "needs T <= S"),
 ])
 def test_cudnn_refusal_reasons(host_with_cudnn, change, platform, reason):
   got = _cudnn_reason(**change)[platform]

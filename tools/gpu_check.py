@@ -9,7 +9,7 @@ or runs out of time is recorded and the next one runs:
   env    nvidia-smi, jax.print_environment_info(), torch's version and device
   tests  the gpu-marked tests (tests/test_gpu.py, tests/test_flex_gpu.py) compiled on
          the GPU: pytest -m gpu, a JUnit XML of every case
-  bench  benchmarks/gpu_kernels.py: flex_gpu, the default dispatch, cuDNN, Pallas mha,
+  bench  benchmarks/gpu_kernels.py: flex_gpu, flex_mgpu, the default dispatch, cuDNN, Pallas mha,
          torch FlexAttention and SDPA, bfloat16, H = 128, N = 16, T = 4k, 16k, 1k
   sweep  benchmarks/gpu_kernels.py --sweep: flex_gpu's tiles, warps and stages (causal
          and 16 documents at T = 4k)

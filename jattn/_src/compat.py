@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import warnings
 
 import jax
@@ -54,6 +55,16 @@ APIS = {
                    "the 'pallas' implementation"),
     "pallas_triton": (_module("jax.experimental.pallas.triton", "CompilerParams"),
                       "the 'flex_gpu' kernel"),
+    # Pallas on Mosaic GPU (Hopper): what the "flex_mgpu" kernels are written with
+    "pallas_mosaic_gpu": (_module("jax.experimental.pallas.mosaic_gpu", "kernel", "wgmma", "ACC",
+                                  "SMEM", "Barrier", "Layout", "TilingTransform",
+                                  "SwizzleTransform", "copy_gmem_to_smem", "copy_smem_to_gmem",
+                                  "barrier_wait", "commit_smem", "wait_smem_to_gmem",
+                                  "broadcasted_iota", "layout_cast", "load"),
+                          "the 'flex_mgpu' kernel"),
+    # the GPU interpreter (jax >= 0.11): runs Mosaic GPU kernels on a CPU, with race detection
+    "mosaic_gpu_interpret": (_module("jax.experimental.pallas.mosaic_gpu", "InterpretGPUParams"),
+                             "the 'flex_mgpu' kernel in interpret mode"),
     "pallas_tpu": (_module("jax.experimental.pallas.tpu", "PrefetchScalarGridSpec", "VMEM",
                            "CompilerParams"), "the 'flex_tpu' kernel"),
     # private: jax.nn's own test of whether cuDNN can be called
@@ -114,3 +125,12 @@ def open_jaxpr(closed):
   if consts and getattr(jaxpr, "consts", None):  # jax >= 0.11
     jaxpr = jaxpr.with_consts([jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in consts])
   return jaxpr, consts
+
+
+def mgpu_load(ref, layout):
+  """`plgpu.load(ref, layout=layout)`, the whole ref: jax 0.10 asks for an index
+  argument (`()`: all of it) that later versions dropped."""
+  plgpu = load("pallas_mosaic_gpu")
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)

@@ -201,8 +201,12 @@ def backward_with_score_grads(query, key, value, modifiers: Modifiers, layout: L
     def step(masked, with_mod=True):
       def body(i, carry):
         dq_t, d_bias, d_consts, dk, dv = carry
-        s_t = jnp.einsum(f"BKSH,BKHR->{_LOGITS_T}", kb, _at(q_cols, i),
-                         preferred_element_type=g.acc)  # q carries the scale
+        # q carries the scale. With a score_mod, XLA:CPU runs this batched dot in a
+        # DotThunk, which takes no BF16 x BF16 = F32: the operands go in as float32
+        # (the same values: a product of two 16-bit floats is exact in float32).
+        up = (lambda x: x.astype(g.acc)) if g.has_score else (lambda x: x)
+        s_t = jnp.einsum(f"BKSH,BKHR->{_LOGITS_T}", up(kb), up(_at(q_cols, i)),
+                         preferred_element_type=g.acc)
         if g.bias is not None:
           s_t = s_t + g.cols(g.bias_block(i, j)).astype(g.acc)
         if g.has_score:  # keys by rows -> the [B, K, G, bq, bk] block and back

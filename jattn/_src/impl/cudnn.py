@@ -59,6 +59,27 @@ def cudnn_unsupported(*, dtype, H: int, D: int, dropout_rate: float, has_segment
   return None
 
 
+def _unsupported_shapes(call) -> str | None:
+  """What jax's cuDNN path refuses while the call or its gradient is traced
+  (jax/_src/cudnn/fused_attention_stablehlo.py, jax/_src/nn/functions.py), or None."""
+  T, S = call.dims.T, call.dims.S
+  # check_is_flash_attention refuses odd lengths "with a bias" in training, and
+  # _dot_product_attention_fwd_rule passes its empty placeholder bias, never None
+  if T % 2 or S % 2:
+    return f"its backward (jax's cuDNN fused attention) needs even T and S, got T={T}, S={S}"
+  for name, x in (("bias", call.modifiers.bias), ("mask", call.modifiers.mask)):
+    if x is not None and x.shape[-2:] != (T, S):  # check_layout, on bias and mask added
+      return (f"its {name} must span T and S (jax's cuDNN takes no broadcast there), got "
+              f"{name} of shape {x.shape} for T={T}, S={S}")
+  if call.window is not None and call.window[1] and not call.is_causal:
+    return (f"its sliding window looks left only (jax.nn raises for a right window "
+            f"without is_causal), got local_window_size={call.window}")
+  if call.window is not None and T > S:  # cuDNN's own error on an H200
+    return (f"its sliding window needs T <= S (\"only supported with max_s_q <= "
+            f"max_s_kv\"), got T={T}, S={S}")
+  return None
+
+
 def plan(call, platform: str):
   """A `CudnnPlan`, or the reason cuDNN cannot take `call`."""
   given = [name for name, present in (("mask_mod", call.mask_mod is not None),
@@ -71,7 +92,7 @@ def plan(call, platform: str):
   reason = cudnn_unsupported(
       dtype=call.dtype, H=call.dims.H, D=call.dims.D, dropout_rate=call.dropout_rate,
       has_segments=call.structure.q_segment_ids is not None,
-      return_weights=call.return_weights) or cudnn_missing()
+      return_weights=call.return_weights) or cudnn_missing() or _unsupported_shapes(call)
   if reason is not None:
     return reason
   scale = float(call.scale) if isinstance(call.scale, (int, float)) else None
@@ -90,11 +111,19 @@ def run(plan: CudnnPlan, query, key, value, modifiers: Modifiers, layout: Layout
   if scale is None:  # a traced scale: cuDNN takes a constant, so the query carries it
     q = (q.astype(jnp.float32) * modifiers.scale).astype(q.dtype)
     scale = 1.0
+  is_causal, window = spec.is_causal, spec.local_window
+  if window is not None:
+    # cuDNN's window is t - left <= s <= t on top of its causal mask: without is_causal
+    # it gave other values on an H200. `plan` leaves windows (left, 0), or any with
+    # is_causal, which both are exactly that mask.
+    is_causal, window = True, (window[0], 0)
+  lengths = [None if x is None else x.astype(jnp.int32)  # jax.nn takes int32 only
+             for x in (spec.q_lengths, spec.kv_lengths)]
   out = jax.nn.dot_product_attention(
-      q, k, v, modifiers.bias, modifiers.mask, scale=scale,
-      is_causal=spec.is_causal, query_seq_lengths=spec.q_lengths,
-      key_value_seq_lengths=spec.kv_lengths, local_window_size=spec.local_window,
-      implementation="cudnn", return_residual=plan.return_residual)
+      q, k, v, modifiers.bias, modifiers.mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1],
+      local_window_size=window, implementation="cudnn",
+      return_residual=plan.return_residual)
   out, lse = out if plan.return_residual else (out, None)  # lse [B, T, N]
   lse = None if lse is None else jnp.einsum("BTN->BNT", lse)
   return jnp.einsum(f"BTND->{layout.out}", out), None, lse

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import compat
-from jattn._src.impl.kernel_plans import PALLAS_BLOCK, PallasPlan, SplashPlan, find_document
+from jattn._src.impl.kernel_plans import PallasPlan, SplashPlan, find_document, pallas_blocks
 from jattn._src.impl.splash_mask import splash_mask
 
 
@@ -106,7 +106,7 @@ def pallas_attention(q, k, v, *, ids, plan: PallasPlan):
   if K != N:  # the kernel has no grouped heads: repeat K and V (a copy)
     k, v = (jnp.repeat(x, N // K, axis=2) for x in (k, v))
   T, S = q.shape[1], k.shape[1]
-  bq, bk = min(PALLAS_BLOCK, T), min(PALLAS_BLOCK, S)
+  bq, bk = pallas_blocks(T, S)
   sizes = gpu_attention.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=bq, block_kv_dkv=bk,
                                    block_q_dq=bq, block_kv_dq=bk)
   return gpu_attention.mha(q, k, v, None if ids is None else ids.astype(jnp.int32),

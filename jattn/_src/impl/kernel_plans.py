@@ -22,6 +22,13 @@ from jattn._src import compat
 SPLASH_TILE = 128
 # the GPU mha kernel's default blocks (jax's BlockSizes.get_default()).
 PALLAS_BLOCK = 128
+# Triton's dot needs each side of its operands >= 16: below, mha's blocks and head sizes
+# gave wrong values (not an error) on an H200 with jax 0.11.2.
+PALLAS_MIN = 16
+# The widest head (padded to a power of 2) whose blocks fit a Hopper SM's 227 KiB of
+# shared memory, by bytes per element: on an H200, bfloat16 ran at 128 and failed at
+# 256; float32 ran at 32 and failed at 64 ("Shared memory size limit exceeded").
+PALLAS_MAX_HEAD = {2: 128, 4: 32}
 
 
 class _Cannot(Exception):
@@ -186,12 +193,8 @@ def pallas_plan(call, platform: str):
       if x is not None:
         raise _Cannot(f"it cannot honour {name}")
     dims = call.dims
-    T, S, H, D = dims.T, dims.S, dims.H, dims.D
-    if H != D:
-      raise _Cannot(f"it needs value's head size D equal to H, got H={H}, D={D}")
-    if T % min(PALLAS_BLOCK, T) or S % min(PALLAS_BLOCK, S):
-      raise _Cannot(f"it needs T and S multiples of {PALLAS_BLOCK} (or smaller), "
-                    f"got T={T}, S={S}")
+    _check_pallas_shapes(dims.T, dims.S, dims.H, dims.D, np.dtype(call.dtype).itemsize)
+    T, S = dims.T, dims.S
     causal, doc = call.is_causal, None
     segments, same_ids = structure.q_segment_ids is not None, call.same_segment_ids
     if call.mask_mod is not None:
@@ -217,3 +220,34 @@ def pallas_plan(call, platform: str):
                       scale=scale, interpret=call.interpret)
   except _Cannot as e:
     return str(e)
+
+
+def pallas_blocks(T: int, S: int) -> tuple[int, int]:
+  """The blocks (of T, of S) jattn gives mha, forward and backward alike."""
+  return min(PALLAS_BLOCK, T), min(PALLAS_BLOCK, S)
+
+
+def _check_pallas_shapes(T: int, S: int, H: int, D: int, itemsize: int) -> None:
+  """mha's own rules, forward and backward (jax/experimental/pallas/ops/gpu/attention.py:
+  `mha`, `_mha_backward`), and what its Triton lowering and launch take; _Cannot if not."""
+  if H != D:  # mha: q, k and v share one head size
+    raise _Cannot(f"it needs value's head size D equal to H, got H={H}, D={D}")
+  bq, bk = pallas_blocks(T, S)
+  if T % bq or S % bk:  # mha: the blocks divide the lengths
+    raise _Cannot(f"it needs T and S multiples of {PALLAS_BLOCK} (or smaller), "
+                  f"got T={T}, S={S}")
+  if bq & (bq - 1) or bk & (bk - 1):  # the Triton lowering's _check_tensor_size
+    raise _Cannot(f"Triton takes blocks whose sizes are powers of 2, got blocks of "
+                  f"{bq} x {bk} (T={T}, S={S}, blocks of up to {PALLAS_BLOCK})")
+  padded = 1 << (H - 1).bit_length()  # mha pads the head to a power of 2
+  if min(bq, bk, padded) < PALLAS_MIN:
+    raise _Cannot(f"Triton's dot needs blocks and head size of at least {PALLAS_MIN}, "
+                  f"got blocks of {bq} x {bk} and H={H}")
+  if T // bq != S // bk:  # _mha_backward: one program per query block and key block
+    raise _Cannot(f"its backward needs T and S in the same number of blocks, got "
+                  f"T={T} in {T // bq} and S={S} in {S // bk} (blocks of up to "
+                  f"{PALLAS_BLOCK})")
+  widest = PALLAS_MAX_HEAD.get(itemsize, 0)
+  if padded > widest:
+    raise _Cannot(f"its blocks hold heads of up to {widest} in {8 * itemsize}-bit floats "
+                  f"(GPU shared memory), got H={H}")

@@ -22,7 +22,7 @@ from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.blockwise import blockwise_attention
 from jattn._src.impl.vmap import vmapped_attention
 from jattn._src.impl.xla import xla_attention
-from jattn._src.kernels import flex_gpu, flex_tpu
+from jattn._src.kernels import flex_gpu, flex_mgpu, flex_tpu
 
 # The platforms a program is lowered for, as jax.lax.platform_dependent names
 # them. "rocm" stands for every accelerator without a kernel of its own here.
@@ -129,6 +129,9 @@ IMPLEMENTATIONS = {
         "flex_tpu", _flex_plan(flex_tpu), flex_tpu.run, platforms=("tpu",), interpretable=True),
     "flex_gpu": Implementation(  # jattn's own GPU kernel (Triton): any mask_mod / score_mod
         "flex_gpu", _flex_plan(flex_gpu), flex_gpu.run, platforms=("cuda",), interpretable=True),
+    "flex_mgpu": Implementation(  # jattn's own GPU kernel on Mosaic GPU (Hopper): the same mods
+        "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu.run, platforms=("cuda",),
+        interpretable=True),
 }
 # "ring" is no entry: it is a shard_map over a mesh around the blockwise loop
 # (jattn/_src/impl/ring.py), chosen only by name.
@@ -143,7 +146,13 @@ def preference(call, platform: str) -> tuple[str, ...]:
     return ("xla", "blockwise") if small else ("blockwise", "xla")
   fits = 4 * d.B * d.N * d.T * d.S <= ACCELERATOR_XLA_LOGITS_BYTES
   generic = ("xla", "blockwise") if fits else ("blockwise", "xla")
-  # splash first on TPU: jax's tuned kernel, until a TPU benchmark says otherwise
+  # splash first on TPU: jax's tuned kernel, until a TPU benchmark says otherwise.
+  # CUDA, measured on an H200 (benchmarks/results/gpu_h200_bench.json, bfloat16, H = 128,
+  # T = 4k and 16k): cuDNN fastest wherever it applies; flex_gpu before jax's Pallas mha,
+  # which is 1.6x (causal) to 2x (no mask) slower forward + backward and, with document
+  # ids, 4.5x (forward) and 8.7x (forward + backward) slower, as it skips no block.
+  # flex_mgpu (Mosaic GPU) after flex_gpu: checked by the GPU interpreter and export only,
+  # never timed; it takes over where flex_gpu cannot (a jax without Pallas Triton).
   kernels = {"tpu": ("splash", "flex_tpu"),
-             "cuda": ("cudnn", "pallas", "flex_gpu")}.get(platform, ())
+             "cuda": ("cudnn", "flex_gpu", "flex_mgpu", "pallas")}.get(platform, ())
   return kernels + generic

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import compat
@@ -49,7 +51,7 @@ def evaluate(expr: tuple, t, s):
   if kind == "local":
     return (t - expr[1] <= s) & (s <= t + expr[2])
   if kind == "chunk":
-    return t // expr[1] == s // expr[1]
+    return _quotient(t, expr[1]) == _quotient(s, expr[1])
   if kind == "full":
     return (t >= 0) & (s >= 0)  # True, broadcast over the grid of t and s
   parts = [evaluate(e, t, s) for e in expr[1:]]
@@ -60,6 +62,15 @@ def evaluate(expr: tuple, t, s):
   for p in parts[1:]:
     out = (out & p) if kind == "and" else (out | p)
   return out
+
+
+def _quotient(x, size: int):
+  """x // size for positions x >= 0 (where it truncates). In the kernel, lax.div: jnp's
+  floor division lowers through Mosaic's sign rule, which asks the TPU generation, and
+  a host without a TPU cannot say when exporting for one."""
+  if isinstance(x, (int, np.integer, np.ndarray)):
+    return x // size
+  return jax.lax.div(x, jnp.full((), size, x.dtype))
 
 
 def block_class(expr: tuple, t0: int, t1: int, s0: int, s1: int) -> str:

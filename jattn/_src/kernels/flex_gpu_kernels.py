@@ -12,7 +12,6 @@ of indices (a relative bias) an ordinary gather.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
@@ -25,8 +24,13 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
-from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
+from jattn._src.kernels.kernel_inputs import TileMods as _Mods
+from jattn._src.kernels.kernel_inputs import as_int_or_float as _as_int_or_float
+from jattn._src.kernels.kernel_inputs import flat as _flat
+from jattn._src.kernels.kernel_inputs import pad_to as _pad_to
+from jattn._src.kernels.kernel_inputs import to_tiles as _to_tiles
 from jattn._src.kernels.kernel_vjp import batched, with_batch
+from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL
 
 if TYPE_CHECKING:
@@ -34,35 +38,6 @@ if TYPE_CHECKING:
 
 
 # ---------------------------------------------------------------- inputs
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Mods:
-  """The mods as the kernels see them: jaxprs (static), their consts' shapes and dtypes."""
-
-  mask_jaxpr: object
-  score_jaxpr: object
-  mask_meta: tuple
-  score_meta: tuple
-
-
-def _pad_to(x, axis: int, size: int, mode="constant"):
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad, mode=mode)
-
-
-def _to_tiles(p: Plan, layout: Layout, query, key, value):
-  """-> q [B, N, Tp, Hp], k [B, K, Sp, Hp], v [B, K, Sp, Dp], zero-padded (zero features
-  add nothing to q k^T; padded rows are masked)."""
-  lay = batched(layout)
-  q = jnp.einsum(f"{lay.query}->BNTH", with_batch(query, layout))
-  k = jnp.einsum(f"{lay.key}->BKSH", with_batch(key, layout))
-  v = jnp.einsum(f"{lay.value}->BKSD", with_batch(value, layout))
-  q = _pad_to(_pad_to(q, 2, p.T_padded), 3, p.H_padded)
-  k = _pad_to(_pad_to(k, 2, p.S_padded), 3, p.H_padded)
-  v = _pad_to(_pad_to(v, 2, p.S_padded), 3, p.D_padded)
-  return q, k, v
 
 
 def _whole(x):
@@ -107,15 +82,6 @@ def _extras(p: Plan, modifiers, mods):
     size = p.T_padded if letter == "t" else p.S_padded
     arrays.append(_pad_to(x[:, :size], 1, size, mode="edge"))
   return tm, arrays
-
-
-def _as_int_or_float(c):
-  c = jnp.asarray(c)
-  return c.astype(jnp.int32) if c.dtype == jnp.bool_ else c
-
-
-def _flat(c):
-  return _as_int_or_float(c).reshape(-1)
 
 
 class _Reads:

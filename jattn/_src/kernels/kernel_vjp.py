@@ -1,7 +1,8 @@
 """The custom VJP that jattn's own kernels ("flex_tpu", "flex_gpu") run under: the
 kernel's forward gives (out, lse), sinks join after it (as in "blockwise"), the
 kernel's backward gives dq, dk, dv and the gradients of score_mod's scalar reads, and
-the gradients of score_mod's tables read at positions come from the blockwise backward.
+the gradients of score_mod's tables read at positions (or all of its arrays', for a
+kernel that gives none) come from the blockwise backward.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def kernel_run(forward, backward):
 
   forward(plan, layout, query, key, value, modifiers) -> (out in `layout`, lse [B, N, T]);
   backward(plan, layout, query, key, value, modifiers, out, lse, d_out) -> (dq, dk, dv,
-  score_mod's consts' gradients: a tuple, None where the kernel gives none);
+  score_mod's consts' gradients: a tuple, None where the kernel gives none; or None for
+  all: then they come from the blockwise backward);
   modifiers' mods traced, the plan numbered for that trace (`kernel_plan.for_trace`).
   """
 
@@ -61,9 +63,11 @@ def kernel_run(forward, backward):
       o, d_o = with_batch(out, layout), with_batch(d_out, layout)
       d_sinks = None if mods.sinks is None else sinks_grad(
           o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
-      if plan.score_tables:
+      if plan.score_tables or (d_consts is None and plan.score_reads):
         d_consts = blockwise_score_grads(plan, layout, query, key, value, modifiers, out, lse,
                                          d_out)
+      elif d_consts is None:  # no float array read: nothing to differentiate
+        d_consts = (None,) * len(mods.score_consts)
       d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
     return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
             modifiers.gradients(bias=None, mods=d_mods))

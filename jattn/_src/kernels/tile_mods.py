@@ -208,7 +208,8 @@ def _eqn(eqn, ins, in_tags, ctx):
     ins = [x if _is_tile(x) else jnp.broadcast_to(x, tile_shape) for x in ins]
   if name == "sign":  # Mosaic's rule asks the TPU generation (not known when exporting)
     x = ins[0]
-    # constants, not `-one`: Triton's lowering cannot negate a literal
+    # -1 as a constant: Triton's rule for neg takes no literal (jax's own floor_divide
+    # asks for the sign of its constant divisor)
     one, zero, minus_one = (jnp.full((), c, x.dtype) for c in (1, 0, -1))
     return [jnp.where(x > zero, one, jnp.where(x < zero, minus_one, x))]
   out = eqn.primitive.bind(*ins, **eqn.params)

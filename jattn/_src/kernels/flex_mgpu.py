@@ -1,0 +1,202 @@
+"""The "flex_mgpu" kernel: flash attention on Pallas's Mosaic GPU backend (Hopper,
+sm_90: TMA copies and `wgmma`), with the user's mask_mod and score_mod evaluated
+inside the kernel on each tile, as "flex_gpu" does on Pallas's Triton backend (which
+jax deprecates from 0.11).
+
+`plan(...)` looks only at static facts of a call and returns a hashable `Plan`, or a
+reason in words for what the kernel cannot take. `run(plan, ...)` has the contract of
+`blockwise_attention`: -> (out, None, lse float32 [B, N, T]).
+
+The same design as "flex_gpu" (its docstring): grid (T / 64, N, B), a program per
+64-row query tile, looping over the 64-column kv tiles of kv head n // G that are not
+EMPTY (per-row lists from the shared block classes), FULL tiles without the mask
+functions; the mods evaluated on tiles by the shared `tile_mods`; backward by a dq
+kernel and a dk/dv kernel (grid S / 64, K, B, the G query heads summed in registers)
+under jattn's kernel VJP. What Mosaic GPU changes is in `flex_mgpu_kernels`: one
+warpgroup per program, every operand and side input in shared memory by TMA, products
+by `wgmma`. Heads are zero-padded to E = max(H, D) rounded up to 64 (the wgmma
+operands' 128-byte rows). Gradients into score_mod's captured float arrays come from
+jattn's blockwise backward (exact, deterministic), not from the kernels.
+Sinks join after the kernel, as in "blockwise".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn._src import compat
+from jattn._src.core.layout import Layout
+from jattn._src.core.modifiers import Modifiers
+from jattn._src.kernels import kernel_plan, kernel_vjp
+from jattn._src.kernels.kernel_vjp import batched, without_batch
+
+# wgmma takes 16-bit operands here (float32 would be TF32 on the tensor cores)
+_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+# A wgmma accumulator has a multiple of 64 rows (one warpgroup); 64 columns keep the
+# probability tile and both kv slots in SMEM at E = 256. NOT MEASURED on a GPU.
+_TILE = 64
+# A Hopper SM's shared memory per block (sm_90: 227 KiB).
+SMEM_BYTES = 227 * 1024
+# A TMA box has at most 256 entries along each axis: per-token rows stacked per side.
+_MAX_ROWS = 256
+# Scalars (lengths, captured arrays read one element at a time), per dtype, in SMEM.
+_MAX_SCALARS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan(kernel_plan.TilePlan):
+  """Everything static the kernels are built from (hashable): the shared fields of
+  `kernel_plan.TilePlan`, then these."""
+
+  skip: bool = False  # EMPTY tiles skipped, FULL ones unmasked (from the block classes)
+  q_lengths: bool = False
+  kv_lengths: bool = False
+  segments: bool = False
+  mask_rows: tuple = ()  # ((const index, "t" or "s"), ...): mask_mod's per-token arrays
+  score_reads: tuple = ()  # score_mod's float reads: gradients by the blockwise backward
+  score_tables: tuple = ()  # always () (refused: Mosaic GPU has no gather)
+  offsets: bool = False  # global positions from a ring step's offsets: not wired
+
+  @property
+  def H_padded(self) -> int:  # E: both heads, so the output tile reuses the query's SMEM
+    return kernel_plan.round_up(max(self.H, self.D), _TILE)
+
+  @property
+  def D_padded(self) -> int:
+    return self.H_padded
+
+
+def smem_bytes(E: int, itemsize: int, sizes=(0, 0, 0, 0)) -> int:
+  """The most SMEM a program of the three kernels asks for (bytes), at head width E;
+  sizes: (int32 scalars, float32 scalars, query-side rows, key-side rows)."""
+  t = _TILE * E * itemsize  # one [64, E] tile
+  sq = _TILE * _TILE * itemsize  # one [64, 64] probability tile
+  ints, floats, q_rows, kv_rows = sizes
+  side = 4 * (ints + floats + 64 + _TILE * 2 * (q_rows + kv_rows))  # table row, rows x 3
+  forward = t + 4 * t + sq + 4 * _TILE
+  dq = 2 * t + 4 * t + sq + 8 * _TILE
+  dkv = 2 * t + 4 * t + 2 * sq + 16 * _TILE
+  return max(forward, dq, dkv) + side + 1024  # barriers
+
+
+def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
+         modifiers: Modifiers, return_weights: bool = False,
+         block_q: int | None = None, block_kv: int | None = None,
+         interpret: bool = False) -> Plan | str:
+  """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
+
+  modifiers: the call's `Modifiers` (its arrays may be tracers or ShapeDtypeStructs:
+  only shapes, dtypes and the mods' jaxprs are read). block_q, block_kv: a
+  block_mask's tiles, unused (the tiles are 64 x 64; the classes are recomputed).
+  interpret: run the kernels in the Mosaic GPU interpreter (any backend, for tests).
+  """
+  del block_q, block_kv
+  m = modifiers
+  reason = compat.missing("pallas_mosaic_gpu") or (
+      interpret and compat.missing("mosaic_gpu_interpret")) or kernel_plan.common_refusal(
+          B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype, dtypes=_DTYPES, modifiers=m,
+          return_weights=return_weights, platform="GPU")
+  if reason:
+    if np.dtype(dtype) == np.float32 and reason.startswith("dtype"):
+      reason += " (wgmma would round float32 to TF32; flex_gpu takes float32)"
+    return reason
+  capability = _gpu_capability()
+  if capability is not None and capability < (9, 0):
+    return (f"this GPU has compute capability {capability[0]}.{capability[1]}: TMA and "
+            "wgmma need 9.0 (Hopper) or newer; flex_gpu runs there")
+  st = m.structure
+  if (st.q_segment_ids is None) != (st.kv_segment_ids is None):
+    return "segment ids for one side only"
+  facts = kernel_plan.mods_facts(m.mods, smem=False)
+  if isinstance(facts, str):
+    return facts
+  if facts.score_tables:
+    return ("score_mod reads a table at positions (a relative bias): Mosaic GPU has no "
+            "gather load; flex_gpu takes it")
+  window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
+  p = Plan(B, T, S, N, K, H, D, _TILE, _TILE, float(m.scale), bool(st.is_causal), window,
+           facts.has_mask, facts.has_score, bool(interpret),
+           skip=facts.has_mask or bool(st.is_causal) or window is not None,
+           q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
+           segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
+           score_reads=facts.score_reads)
+  return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_capability() -> tuple[int, int] | None:
+  """The compute capability of the GPU this process sees, or None (no GPU: an export from
+  a CPU host, where the lowering cannot tell the target's generation)."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return None
+  capability = getattr(devices[0], "compute_capability", None) if devices else None
+  if not capability:
+    return None
+  return tuple(int(x) for x in str(capability).split(".")[:2])
+
+
+def side_sizes(p: Plan, mods) -> tuple[int, int, int, int]:
+  """(int32 scalars, float32 scalars, query-side rows, key-side rows) the kernels hold in
+  SMEM for this call, from shapes alone (mods: traced `Mods` or None)."""
+  ints = (p.B if p.q_lengths else 0) + (p.B if p.kv_lengths else 0)
+  floats, rows = 0, {"t": p.B if p.segments else 0, "s": p.B if p.segments else 0}
+  row_of = {ci for ci, _ in p.mask_rows}
+  consts = [] if mods is None or mods.mask_jaxpr is None else [
+      c for ci, c in enumerate(mods.mask_consts) if ci not in row_of]
+  consts += [] if mods is None or mods.score_jaxpr is None else list(mods.score_consts)
+  for c in consts:
+    if jnp.issubdtype(np.dtype(c.dtype), jnp.floating):
+      floats += int(np.prod(np.shape(c), dtype=np.int64))
+    else:
+      ints += int(np.prod(np.shape(c), dtype=np.int64))
+  for ci, letter in p.mask_rows:
+    shape = np.shape(mods.mask_consts[ci])
+    rows[letter] += shape[0] if len(shape) == 2 else 1
+  return ints, floats, rows["t"], rows["s"]
+
+
+def _side_refusal(p: Plan, m: Modifiers, itemsize: int) -> str | None:
+  """Why the side inputs do not fit SMEM or a TMA box, or None."""
+  mods = None if m.mods is None else m.mods.traced()
+  for ci, _ in p.mask_rows:
+    dtype = np.dtype(mods.mask_consts[ci].dtype)
+    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == np.bool_):
+      return ("mask_mod reads a float per-token array (x[t] or x[s]): the kernel takes "
+              "int and bool ones")
+  sizes = side_sizes(p, mods)
+  if max(sizes[:2]) > _MAX_SCALARS:
+    return (f"{max(sizes[:2])} scalars (lengths, captured arrays) of one dtype: the kernel "
+            f"holds up to {_MAX_SCALARS} in shared memory")
+  if max(sizes[2:]) > _MAX_ROWS:
+    return (f"{max(sizes[2:])} per-token rows (segment ids, mask_mod's x[t], x[s]) on one "
+            f"side: a TMA copy takes up to {_MAX_ROWS}")
+  need = smem_bytes(p.H_padded, itemsize, sizes)
+  if need > SMEM_BYTES:
+    return (f"its tiles need {need // 1024} KiB of shared memory at head width "
+            f"{p.H_padded}, over a Hopper SM's {SMEM_BYTES // 1024} KiB")
+  return None
+
+
+def _kernels():
+  """The Mosaic GPU kernels' module, imported on first use (the plan checked its API)."""
+  from jattn._src.kernels import flex_mgpu_kernels
+  return flex_mgpu_kernels
+
+
+def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
+  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T])."""
+  out, lse = _kernels().forward(p, layout, query, key, value, modifiers)
+  out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
+  return without_batch(out, layout), lse[:, :, :p.T]
+
+
+# -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
+# jattn's kernel VJP (sinks after the forward, score_mod's arrays by blockwise)
+run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))

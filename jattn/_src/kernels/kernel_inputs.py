@@ -1,0 +1,52 @@
+"""The arrays jattn's GPU kernels ("flex_gpu" on Triton, "flex_mgpu" on Mosaic GPU)
+are handed, built alike in JAX before the kernel: q, k, v as zero-padded [B, heads,
+tokens, features] tiles, and the mods' jaxprs with their captured arrays' shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jattn._src.core.layout import Layout
+from jattn._src.kernels.kernel_vjp import batched, with_batch
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TileMods:
+  """The mods as the kernels see them: jaxprs (static), their consts' shapes and dtypes."""
+
+  mask_jaxpr: object
+  score_jaxpr: object
+  mask_meta: tuple
+  score_meta: tuple
+
+
+def pad_to(x, axis: int, size: int, mode="constant"):
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad, mode=mode)
+
+
+def to_tiles(p, layout: Layout, query, key, value):
+  """-> q [B, N, Tp, Hp], k [B, K, Sp, Hp], v [B, K, Sp, Dp], zero-padded (zero features
+  add nothing to q k^T; padded rows are masked). p: a plan with T_padded, S_padded,
+  H_padded, D_padded."""
+  lay = batched(layout)
+  q = jnp.einsum(f"{lay.query}->BNTH", with_batch(query, layout))
+  k = jnp.einsum(f"{lay.key}->BKSH", with_batch(key, layout))
+  v = jnp.einsum(f"{lay.value}->BKSD", with_batch(value, layout))
+  q = pad_to(pad_to(q, 2, p.T_padded), 3, p.H_padded)
+  k = pad_to(pad_to(k, 2, p.S_padded), 3, p.H_padded)
+  v = pad_to(pad_to(v, 2, p.S_padded), 3, p.D_padded)
+  return q, k, v
+
+
+def as_int_or_float(c):
+  c = jnp.asarray(c)
+  return c.astype(jnp.int32) if c.dtype == jnp.bool_ else c
+
+
+def flat(c):
+  return as_int_or_float(c).reshape(-1)
