@@ -228,3 +228,34 @@ def test_every_strategy_on_one_device_with_a_window():
     out = jattn.context_parallel_attention(q, q, q, mesh=mesh, strategy=strategy,
                                            is_causal=True, local_window_size=(2, 0))
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=strategy)
+
+
+def test_implementation_context_parallel_runs_the_chosen_strategy_over_the_context_mesh():
+  """dot_product_attention(implementation="context_parallel") inside jax.set_mesh (what the
+  modules and the Transformer pass through): the strategy the plan chooses, over the "seq"
+  axis; values against NumPy. Unsupported arguments and a mesh without "seq" are named."""
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((2, 8, 2, 4)).astype(np.float32)
+  kv = rng.standard_normal((2, 8, 1, 4)).astype(np.float32)  # K = 1: Ulysses refuses on P > 1
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  t_, s_ = np.arange(8)[:, None], np.arange(8)[None, :]
+  want = reference_mods(q, kv, kv, allowed=s_ <= t_)[0]
+  plan = jattn.context_parallel_plan(q, kv, kv, mesh=mesh, is_causal=True)
+  with jax.set_mesh(mesh), jattn.explain_calls() as reports:
+    out = jax.jit(lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="context_parallel"))(q, kv, kv)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  assert reports[0].implementation("cpu") == plan.strategy
+  with raises(ValueError, "implementation='context_parallel' does not support .*mask"):
+    jattn.dot_product_attention(q, q, q, mask=np.ones((8, 8), bool),
+                                implementation="context_parallel")
+  with raises(ValueError, "implementation='context_parallel' needs a mesh with a 'seq' axis"):
+    jattn.dot_product_attention(q, q, q, implementation="context_parallel")
+  # on 8 devices (shapes only): strategy=None's choice, which for K = 1 is not Ulysses
+  with jax.sharding.use_abstract_mesh(seq(8)), jattn.explain_calls() as reports:
+    jax.eval_shape(lambda q, k: jattn.dot_product_attention(
+        q, k, k, is_causal=True, implementation="context_parallel"),
+        sd(2, 64, 8, 4), sd(2, 64, 1, 4))
+  want = jattn.context_parallel_plan(sd(2, 64, 8, 4), sd(2, 64, 1, 4), sd(2, 64, 1, 4),
+                                     mesh=seq(8), is_causal=True).strategy
+  assert reports[0].implementation("cpu") == want != "ulysses"

@@ -100,7 +100,8 @@ def eight_devices(monkeypatch):
     (dict(data=1, seq=8, seq_len=24),
      r"config.seq_len \(24\) must be divisible by 2 x config.mesh.seq = 16"),
     (dict(data=4, seq=2, implementation="xla"),
-     "config.mesh.seq = 2 runs attention as a ring: config.implementation must be None or 'ring'"),
+     "config.mesh.seq = 2 shards attention over the sequence: config.implementation must be "
+     "None, 'ring' or 'context_parallel'"),
 ])
 def test_training_mesh_errors(eight_devices, fields, message):
   config = tiny.get_config()

@@ -184,7 +184,7 @@ def test_bad_config_fails_at_start_and_writes_nothing(tmp_path, field, value, me
 _ON_DEVICES = """
 import json, sys
 sys.path[:0] = [{root!r}, {examples!r}]
-import jax, training
+import jax, jattn, training
 from configs import tiny
 config = tiny.get_config()
 config.num_steps, config.warmup_steps = 3, 1
@@ -192,10 +192,13 @@ runs = []
 for i, (data, model, seq) in enumerate({meshes!r}):
   config.mesh.data, config.mesh.model, config.mesh.seq = data, model, seq
   workdir = f"{{sys.argv[1]}}/{{i}}"
-  state = training.train_and_evaluate(config, workdir)
+  with jattn.explain_calls() as reports:  # what each attention call ran (traced once)
+    state = training.train_and_evaluate(config, workdir)
   kernel = state["params"]["blocks"][0]["attention"]["query"]["kernel"][...]
   metrics = [json.loads(l) for l in open(f"{{workdir}}/metrics.jsonl")]
-  runs.append({{"metrics": metrics, "kernel_spec": str(kernel.sharding.spec)}})
+  attention = sorted({{r.implementation("cpu") for r in reports}})
+  runs.append({{"metrics": metrics, "kernel_spec": str(kernel.sharding.spec),
+               "attention": attention}})
 print(json.dumps({{"devices": jax.device_count(), "runs": runs}}))
 """
 
@@ -216,12 +219,17 @@ def _train_on(devices, meshes, workdir):
 @pytest.mark.parametrize("meshes", [
     [(2, 2, 2)], pytest.param([(8, 1, 1), (2, 2, 2)], marks=pytest.mark.thorough)])
 def test_eight_devices_give_the_loss_of_one(tmp_path, meshes):
-  """A 2x2x2 mesh (batch over data, heads over model, sequence as a ring over seq)
-  and, in the slow tier, data parallel over 8 devices: the losses of one device."""
+  """A 2x2x2 mesh (batch over data, heads over model, the sequence over seq by the
+  strategy context_parallel_attention chooses: all-gather, since Ulysses cannot split
+  the one head per model device over 2 seq devices and the gathered K/V is small) and,
+  in the slow tier, data parallel over 8 devices: the losses of one device."""
   [one] = _train_on(1, [(1, 1, 1)], tmp_path / "one")
   runs = _train_on(8, meshes, tmp_path / "eight")
   cube = runs[-1]
   assert cube["kernel_spec"] == "P(None, 'model', None)"  # heads split over model
+  # (the plots' model forms the weights on one device: "xla")
+  assert set(cube["attention"]) - {"xla"} == {"all_gather"}, cube["attention"]
+  assert "all_gather" not in one["attention"]
   for run in runs:
     assert [l["step"] for l in run["metrics"]] == [l["step"] for l in one["metrics"]]
     for a, b in zip(one["metrics"], run["metrics"]):

@@ -7,7 +7,7 @@ from jattn._src.call import make_call
 from jattn._src.impl import interpret
 from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.impl.registry import NAMES
-from jattn._src.impl.ring import ring_from_context
+from jattn._src.impl.ring import from_context
 
 
 def check_implementation(implementation, block_sizes) -> str | None:
@@ -19,7 +19,7 @@ def check_implementation(implementation, block_sizes) -> str | None:
     if not isinstance(block_sizes, BlockSizes):
       raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), "
                       f"got {block_sizes!r}")
-    if implementation not in (None, "blockwise", "ring"):
+    if implementation not in (None, "blockwise", "ring", "context_parallel"):
       raise ValueError(f"block_sizes applies to implementation='blockwise' only, "
                        f"got implementation={implementation!r}")
     return implementation or "blockwise"  # asking for block sizes is asking for blockwise
@@ -73,7 +73,9 @@ def dot_product_attention(
       inside) -- the last five raise a ValueError naming the argument they
       cannot honour -- or
       "ring" (sequence-parallel over the
-      "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`).
+      "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`),
+      or "context_parallel" (the same mesh; ring, all-gather or Ulysses chosen
+      per call: `jattn.context_parallel_attention` with strategy=None).
     dropout_rate, dropout_rng: dropout on the attention weights, with inverted
       scaling; the same rng gives the same result.
     broadcast_dropout: one dropout draw [T, S] shared by every batch element
@@ -128,9 +130,9 @@ def dot_product_attention(
                 kv_segment_ids=kv_segment_ids, layout=layout,
                 return_residual=return_residual, mask_mod=mask_mod, score_mod=score_mod,
                 sinks=sinks, block_mask=block_mask)
-  if implementation == "ring":
-    return ring_from_context(
-        query, key, value, bias, mask, local_window_size=local_window_size,
+  if implementation in ("ring", "context_parallel"):
+    return from_context(
+        implementation, query, key, value, bias, mask, local_window_size=local_window_size,
         dropout_rate=dropout_rate, return_weights=return_weights, block_sizes=block_sizes,
         broadcast_dropout=broadcast_dropout, **kwargs)
   call = make_call(query, key, value, bias, mask, local_window_size=local_window_size,

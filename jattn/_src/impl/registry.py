@@ -133,9 +133,9 @@ IMPLEMENTATIONS = {
         "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu.run, platforms=("cuda",),
         interpretable=True),
 }
-# "ring" is no entry: it is a shard_map over a mesh around the blockwise loop
-# (jattn/_src/impl/ring.py), chosen only by name.
-NAMES = tuple(IMPLEMENTATIONS) + ("ring",)
+# "ring" and "context_parallel" are no entries: each is a shard_map over the context mesh
+# around the blockwise loop (jattn/_src/impl/ring.py), chosen only by name.
+NAMES = tuple(IMPLEMENTATIONS) + ("ring", "context_parallel")
 
 
 def preference(call, platform: str) -> tuple[str, ...]:

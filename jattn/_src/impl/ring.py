@@ -7,9 +7,10 @@ from jax.sharding import AbstractMesh, Mesh
 
 from jattn._src.impl.block_sizes import BlockSizes
 from jattn._src.parallel.balance import ChunkOrder
-from jattn._src.parallel.context_parallel import RingStep, refuse_unsupported, run
+from jattn._src.parallel.context_parallel import (RingStep, context_parallel_attention,
+                                                  refuse_unsupported, run)
 
-__all__ = ["RingStep", "ring_attention", "ring_from_context"]
+__all__ = ["RingStep", "from_context", "ring_attention"]
 
 
 def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: str = "seq",
@@ -92,23 +93,27 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
              score_mod=score_mod, sinks=sinks, block_mask=block_mask)
 
 
-# The mesh axis names that dot_product_attention(implementation="ring") uses.
+# The mesh axis names that dot_product_attention(implementation="ring" or
+# "context_parallel") uses.
 SEQUENCE_AXIS, BATCH_AXIS, HEADS_AXIS = "seq", "data", "model"
 
 
-def ring_from_context(query, key, value, bias, mask, *, dropout_rate, return_weights,
-                      broadcast_dropout, dropout_rng=None, **kwargs):
-  """`dot_product_attention(implementation="ring")`: ring attention over the mesh
-  set with `jax.set_mesh`, its "seq" axis the ring; "data" and "model" axes, if
-  present, shard the batch and the heads."""
-  refuse_unsupported("implementation='ring'", bias=bias is not None, mask=mask is not None,
-                     dropout_rate=bool(dropout_rate), return_weights=bool(return_weights),
+def from_context(implementation, query, key, value, bias, mask, *, dropout_rate,
+                 return_weights, broadcast_dropout, dropout_rng=None, **kwargs):
+  """`dot_product_attention(implementation="ring" | "context_parallel")`: the sequence
+  sharded over the "seq" axis of the mesh set with `jax.set_mesh` ("ring": the ring;
+  "context_parallel": the strategy chosen per call, as strategy=None); "data" and
+  "model" axes, if present, shard the batch and the heads."""
+  refuse_unsupported(f"implementation={implementation!r}", bias=bias is not None,
+                     mask=mask is not None, dropout_rate=bool(dropout_rate),
+                     return_weights=bool(return_weights),
                      broadcast_dropout=bool(broadcast_dropout))
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or SEQUENCE_AXIS not in mesh.axis_names:
-    raise ValueError(f"implementation='ring' needs a mesh with a {SEQUENCE_AXIS!r} axis "
-                     f"set by `with jax.set_mesh(mesh):`, got {mesh}")
+    raise ValueError(f"implementation={implementation!r} needs a mesh with a "
+                     f"{SEQUENCE_AXIS!r} axis set by `with jax.set_mesh(mesh):`, got {mesh}")
   present = lambda name: name if name in mesh.axis_names else None
-  return ring_attention(query, key, value, mesh=mesh, axis_name=SEQUENCE_AXIS,
-                        batch_axis_name=present(BATCH_AXIS),
-                        head_axis_name=present(HEADS_AXIS), **kwargs)
+  call = ring_attention if implementation == "ring" else context_parallel_attention
+  return call(query, key, value, mesh=mesh, axis_name=SEQUENCE_AXIS,
+              batch_axis_name=present(BATCH_AXIS), head_axis_name=present(HEADS_AXIS),
+              **kwargs)

@@ -109,7 +109,10 @@ def static_blocks(structure: MaskSpec, mods, B: int, T: int, S: int, bq: int,
                   bk: int) -> tuple[np.ndarray, tuple[str, ...]]:
   """(bool [T / bq, S / bk] non-empty blocks from the masks known at trace time,
   notes naming each mask that could not be read and so counts as non-empty)."""
-  with jax.ensure_compile_time_eval():
+  # Evaluated now, on the host: with no mesh in context, as jax >= 0.11 runs no eager op
+  # under an abstract mesh alone (`use_abstract_mesh`, e.g. exporting for a pod).
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), \
+      jax.ensure_compile_time_eval():
     found = parts(structure, mods, B, T, S, bq, bk)
     static, notes = [], []
     for name, table in found:
