@@ -16,7 +16,7 @@ import pytest
 
 import jattn
 from jattn._src.impl import blockwise_loop as _blockwise
-from jattn._src.impl.block_sizes import default_block_sizes
+from jattn._src.core.block_sizes import default_block_sizes
 from jattn._src.impl.registry import CPU_BLOCKWISE_FROM
 from jattn._src.core.layout import Layout
 from jattn._src.masks.structural import MaskSpec

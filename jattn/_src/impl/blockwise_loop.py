@@ -54,7 +54,7 @@ from jax import lax
 
 from jattn._src.masks import block_plan as _block_plan
 from jattn._src.masks.block_mask import EMPTY, FULL, PARTIAL, classify
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.masks.closed_form_blocks import closed_form_classes
 from jattn._src.impl.dense import Dropout
 from jattn._src.core.layout import Layout

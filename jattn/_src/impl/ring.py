@@ -12,7 +12,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jattn._src.core import checks as _checks
 from jattn._src.core.attend import default_scale
 from jattn._src.masks.block_mask import check_block_mask
-from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.call import check_arrays, lengths as _lengths, segment_ids as _segment_ids
 from jattn._src.dispatch import Choice, per_platform, record, residual_in_layout
 from jattn._src.impl import interpret

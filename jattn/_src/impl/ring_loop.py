@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn._src.impl import blockwise_loop as _blockwise
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.core.layout import Layout
 from jattn._src.masks.structural import MaskSpec
 from jattn._src.core.modifiers import Modifiers
