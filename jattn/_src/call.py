@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jattn._src.core import checks
 from jattn._src.core.attend import default_scale
 from jattn._src.core.layout import Layout, parse_layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.core.dropout import Dropout
 from jattn._src.masks.block_mask import check_block_mask

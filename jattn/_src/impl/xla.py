@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jattn._src.core.heads import grouped_logical, split_heads
 from jattn._src.impl.dense import dense_mask_and_keep
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import apply_score, sinks_like
 from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax, scored_mask
 

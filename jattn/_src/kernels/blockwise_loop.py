@@ -58,7 +58,7 @@ from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.masks.closed_form_blocks import closed_form_classes
 from jattn._src.core.dropout import Dropout
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import on_grid
 from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype
 from jattn._src.core.heads import grouped_logical, split_heads
