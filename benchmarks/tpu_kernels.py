@@ -41,8 +41,8 @@ import numpy as np  # noqa: E402
 import jattn  # noqa: E402
 from benchmarks.kernel_timing import interleaved, timed  # noqa: E402
 from jattn._src.core.layout import Layout  # noqa: E402
-from jattn._src.core.modifiers import Modifiers  # noqa: E402
-from jattn._src.impl.block_sizes import default_block_sizes  # noqa: E402
+from jattn._src.masks.modifiers import Modifiers  # noqa: E402
+from jattn._src.core.block_sizes import default_block_sizes  # noqa: E402
 from jattn._src.impl.blockwise import blockwise_attention  # noqa: E402
 from jattn._src.kernels import flex_tpu  # noqa: E402
 from jattn._src.masks.programmable import build_mods  # noqa: E402

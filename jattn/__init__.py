@@ -17,7 +17,7 @@ Letters used in every shape and einsum string:
 from jattn._src.core.attend import attend
 from jattn._src.core.attention import attention, project_qkv
 from jattn._src.masks.block_mask import BlockMask, create_block_mask
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.dot_product_attention import dot_product_attention
 from jattn._src.dispatch import Explanation, explain_calls
 from jattn._src.decode.decode_attention import decode_attention, explain_decode

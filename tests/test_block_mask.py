@@ -10,10 +10,10 @@ import pytest
 
 import jattn
 from jattn import mods
-from jattn._src.impl import blockwise_loop as _blockwise
+from jattn._src.kernels import blockwise_loop as _blockwise
 from jattn._src.core.layout import Layout
 from jattn._src.masks.structural import MaskSpec
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import build_mods
 from reference_grads import reference_vjp
 from tests.helpers import raises

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn._src.impl import blockwise_loop as _blockwise
-from jattn._src.impl.block_sizes import default_block_sizes
+from jattn._src.kernels import blockwise_loop as _blockwise
+from jattn._src.core.block_sizes import default_block_sizes
 from jattn._src.impl.registry import CPU_BLOCKWISE_FROM
 from jattn._src.core.layout import Layout
 from jattn._src.masks.structural import MaskSpec
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 
 BS = jattn.BlockSizes(q=8, kv=8)
 B, T, S, N, K, H = 2, 37, 29, 4, 2, 8

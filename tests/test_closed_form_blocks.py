@@ -109,7 +109,7 @@ def test_blockwise_uses_the_closed_form_not_mask_mod_on_every_block(monkeypatch)
   """A ready-made mask passed in the call is classified without evaluating mask_mod on
   the whole grid (that path is made to fail here), and the result is still right."""
   import jattn
-  from jattn._src.impl import blockwise_loop as _blockwise
+  from jattn._src.kernels import blockwise_loop as _blockwise
   from tests.test_mods import BS, IDS_KV, IDS_Q, KEY, Q, V, reference
 
   def refuse(*args, **kwargs):

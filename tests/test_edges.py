@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn._src.impl import blockwise_loop as _blockwise
+from jattn._src.kernels import blockwise_loop as _blockwise
 from jattn._src.core.layout import Layout
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from reference_grads import reference_vjp
 
 B, N, K, H = 2, 2, 1, 4  # G = 2 query heads per kv head

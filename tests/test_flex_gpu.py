@@ -20,8 +20,8 @@ from jax import export
 import jattn
 from jattn import mods
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.masks.modifiers import Modifiers
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.impl.interpret import pallas_interpret
 from jattn._src.kernels import flex_gpu
 from jattn._src.masks.programmable import build_mods

@@ -15,7 +15,7 @@ import pytest
 
 import jattn
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.kernels import flex_tpu
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
@@ -323,7 +323,7 @@ def test_block_classes_drive_the_kernel_empty_skipped_full_unmasked():
   # the diagonal (1, 1), partial, marked FULL. The kernel must follow the classes: no
   # contribution from tile (1, 0) at all, and tile (1, 1) with no mask applied.
   import dataclasses as dc
-  from jattn._src.impl.block_sizes import BlockSizes
+  from jattn._src.core.block_sizes import BlockSizes
   Tb = Sb = 256
   q, k, v = _inputs(T=Tb, S=Sb)
   bm = jattn.create_block_mask(jattn.mods.causal(), None, None, Tb, Sb,

@@ -2,6 +2,8 @@
 their static fields: a second call with new arrays compiles nothing new and uses the
 new arrays (never the first call's), checked against the float64 reference."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import jattn
@@ -28,3 +30,30 @@ def test_second_call_with_new_arrays_hits_the_cache_and_uses_them():
     allowed = (i[:, None, :, None] == i[:, None, None, :S]) & (s >= t - 4) & (s <= t)
     np.testing.assert_allclose(got, reference(Q, KEY, V, allowed=allowed)[0], rtol=2e-5,
                                atol=2e-5)
+
+
+def test_a_block_mask_made_per_batch_compiles_the_step_once():
+  """A jitted step taking a block mask made outside it, batch after batch (document
+  ids change, shapes do not), compiles once, for a ready-made and for a hand-written
+  mask_mod, and each batch's output is its own mask's (float64 reference)."""
+  rng = np.random.default_rng(7)
+  step = jax.jit(lambda q, k, v, bm: jattn.dot_product_attention(
+      q, k, v, block_mask=bm, implementation="blockwise",
+      block_sizes=jattn.BlockSizes(q=4, kv=4)))
+
+  def hand_written(ids):
+    return lambda b, n, t, s: (ids[b, t] == ids[b, s]) & (s <= t)
+
+  for make in (lambda ids: mods.and_masks(mods.document(ids, ids[:, :S]), mods.causal()),
+               hand_written):
+    before = step._cache_size()
+    for _ in range(3):
+      ids = np.sort(rng.integers(0, 3, (Q.shape[0], T)), axis=-1).astype(np.int32)
+      bm = jattn.create_block_mask(make(jnp.asarray(ids)), Q.shape[0], None, T, S,
+                                   block_sizes=jattn.BlockSizes(q=4, kv=4))
+      got = step(Q, KEY, V, bm)
+      t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+      allowed = (ids[:, None, :, None] == ids[:, None, None, :S]) & (s <= t)
+      np.testing.assert_allclose(got, reference(Q, KEY, V, allowed=allowed)[0], rtol=2e-5,
+                                 atol=2e-5)
+    assert step._cache_size() == before + 1

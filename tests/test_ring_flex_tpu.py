@@ -16,7 +16,7 @@ import pytest
 
 import jattn
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.kernels import flex_tpu
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec

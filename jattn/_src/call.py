@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jattn._src.core import checks
 from jattn._src.core.attend import default_scale
 from jattn._src.core.layout import Layout, parse_layout
-from jattn._src.core.modifiers import Modifiers
-from jattn._src.impl.block_sizes import BlockSizes
-from jattn._src.impl.dense import Dropout
+from jattn._src.masks.modifiers import Modifiers
+from jattn._src.core.block_sizes import BlockSizes
+from jattn._src.core.dropout import Dropout
 from jattn._src.masks.block_mask import check_block_mask
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec

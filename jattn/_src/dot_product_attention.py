@@ -5,7 +5,7 @@ from __future__ import annotations
 from jattn._src import dispatch
 from jattn._src.call import make_call
 from jattn._src.impl import interpret
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.impl.registry import NAMES
 from jattn._src.impl.ring import from_context
 

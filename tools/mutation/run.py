@@ -89,7 +89,7 @@ TARGETS = {
                             "tests/test_decode.py::test_transformer_row_that_skips_a_call_keeps_its_previous_token "
                             "tests/test_transformer_reference.py -m ''",  # -m '': thorough ones too
     # float64 references at block edges first (they kill most mutants, and soonest)
-    "jattn/_src/impl/blockwise_loop.py": "tests/test_edges.py tests/test_blockwise.py tests/test_mods.py "
+    "jattn/_src/kernels/blockwise_loop.py": "tests/test_edges.py tests/test_blockwise.py tests/test_mods.py "
                            "tests/test_mod_grads.py tests/test_block_mask.py "
                            "tests/test_closed_form_blocks.py tests/test_dtypes.py "
                            "-k '(blockwise or block_mask or closed_form) and not memory and not random_shapes and not default "

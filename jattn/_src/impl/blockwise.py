@@ -13,10 +13,10 @@ import functools
 
 import jax
 
-from jattn._src.impl import blockwise_loop as _blockwise
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.kernels import blockwise_loop as _blockwise
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
 

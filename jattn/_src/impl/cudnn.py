@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jattn._src import compat
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 
 _DTYPES = (jnp.float16, jnp.bfloat16)
 

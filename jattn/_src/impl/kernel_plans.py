@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from jattn import mods as M
+from jattn._src.masks import mods as M
 from jattn._src import compat
 
 # splash's kernels tile T and S by blocks of a multiple of 128 (TPU lanes).

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Callable
 
 from jattn._src.impl import cudnn, fused, kernel_plans
-from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.blockwise import blockwise_attention
 from jattn._src.impl.vmap import vmapped_attention
 from jattn._src.impl.xla import xla_attention

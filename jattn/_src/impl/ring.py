@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.parallel.balance import ChunkOrder
 from jattn._src.parallel.context_parallel import (RingStep, context_parallel_attention,
                                                   refuse_unsupported, run)

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 from jattn._src.core.attention import attention_with_weights
 from jattn._src.impl.dense import dense_mask_and_keep
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
-from jattn._src.impl.xla import grouped_logical, split_heads, xla_attention
+from jattn._src.masks.modifiers import Modifiers
+from jattn._src.core.heads import grouped_logical, split_heads
+from jattn._src.impl.xla import xla_attention
 
 
 def _full(x, shape):

@@ -10,28 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn._src.core.heads import grouped_logical, split_heads
 from jattn._src.impl.dense import dense_mask_and_keep
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import apply_score, sinks_like
 from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax, scored_mask
 
 _LOGICAL = "BKGTS"  # mask, bias and weights: logical order, N split
-
-
-def split_heads(x: jax.Array, axis: int, num_kv_heads: int) -> jax.Array:
-  """Reshapes the heads axis N into (K, G) in place."""
-  N = x.shape[axis]
-  return x.reshape(x.shape[:axis] + (num_kv_heads, N // num_kv_heads) + x.shape[axis + 1:])
-
-
-def grouped_logical(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
-  """[B|1, N|1, T, S] -> [B|1, K|1, G|1, T, S], to broadcast against the logits."""
-  if x is None:
-    return None
-  if x.shape[1] == 1:
-    return x[:, :, None]
-  return split_heads(x, 1, num_kv_heads)
 
 
 def xla_attention(query, key, value, modifiers: Modifiers, layout: Layout):

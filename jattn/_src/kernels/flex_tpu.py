@@ -31,7 +31,7 @@ import numpy as np
 
 from jattn._src import compat
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.kernels import kernel_plan, kernel_vjp
 from jattn._src.kernels.kernel_plan import round_up
 

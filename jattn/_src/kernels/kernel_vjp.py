@@ -12,8 +12,8 @@ import functools
 import jax
 
 from jattn._src.core.layout import Layout
-from jattn._src.impl import blockwise_loop
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.kernels import blockwise_loop
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.kernels import kernel_plan
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn import mods as _mods
+from jattn._src.masks import mods as _mods
 from jattn._src.masks.block_mask import EMPTY, FULL, PARTIAL
 from jattn._src.masks.closed_form_blocks import closed_form_classes
 from jattn._src.masks.structural import MaskSpec

@@ -22,7 +22,7 @@ import dataclasses
 
 import jax
 
-from jattn._src.impl.dense import Dropout
+from jattn._src.core.dropout import Dropout
 from jattn._src.masks.structural import MaskSpec
 
 

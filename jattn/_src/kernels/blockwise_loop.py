@@ -54,14 +54,14 @@ from jax import lax
 
 from jattn._src.masks import block_plan as _block_plan
 from jattn._src.masks.block_mask import EMPTY, FULL, PARTIAL, classify
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.masks.closed_form_blocks import closed_form_classes
-from jattn._src.impl.dense import Dropout
+from jattn._src.core.dropout import Dropout
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import on_grid
 from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype
-from jattn._src.impl.xla import grouped_logical, split_heads
+from jattn._src.core.heads import grouped_logical, split_heads
 
 # Inside the loops a block is one matmul per (batch, kv head): the G query heads
 # that share a kv head are stacked with the bq queries as R = G * bq rows. Every
