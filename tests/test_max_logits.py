@@ -228,3 +228,63 @@ def test_bad_requests_name_the_argument():
   with raises(ValueError, "return_max_logits", "splash"):
     jattn.dot_product_attention(q, q, q, implementation="splash", return_max_logits=True)
 
+
+# ---------------------------------------------------------------- Flax modules
+
+MF, MT = 16, 9  # features F and tokens T of the module tests; N = 4 heads, K = 2, H = 4
+
+
+def _module_expected(x, params, causal):
+  """float64 [N]: each head's largest visible logit from the module's own projections."""
+  proj = lambda p: np.einsum("BTF,FNH->BTNH", np.float64(x), np.float64(p["kernel"])) + p["bias"]
+  want = reference_max_logits(proj(params["query"]), proj(params["key"]),
+                              allowed=causal[None, None])  # [B, N, T]
+  return want.max(axis=(0, 2))
+
+
+def test_nnx_module_sows_each_heads_max_logit():
+  from flax import nnx
+  x = np.random.default_rng(4).standard_normal((2, MT, MF)).astype(np.float32)
+  module = jattn.nnx.MultiHeadAttention(N, MF, num_kv_heads=K, rngs=nnx.Rngs(0))
+  capture = lambda **kw: jax.tree.leaves(
+      nnx.capture(module, nnx.Intermediate)(x, is_causal=True, **kw)[1])
+  assert capture() == []  # not asked: nothing sown
+  (got,) = capture(sow_max_logits=True)
+  params = {name: {"kernel": np.asarray(getattr(module, name).kernel[...]),
+                   "bias": np.asarray(getattr(module, name).bias[...])}
+            for name in ("query", "key")}
+  assert got.shape == (N,) and got.dtype == jnp.float32
+  np.testing.assert_allclose(got, _module_expected(x, params, np.tri(MT, dtype=bool)),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_linen_module_sows_each_heads_max_logit_in_the_columns_layout():
+  from flax import linen as nn
+  x = np.random.default_rng(5).standard_normal((2, MT, MF)).astype(np.float32)
+  module = jattn.linen.MultiHeadAttention(N, num_kv_heads=K, layout="columns",
+                                          sow_max_logits=True)
+  x_cols = np.swapaxes(x, 1, 2)  # [B, F, T]
+  variables = module.init(jax.random.key(0), x_cols)
+  _, state = module.apply(variables, x_cols, is_causal=True, mutable=["intermediates"])
+  (got,) = state["intermediates"]["max_logits"]
+  assert got.shape == (N,)
+  np.testing.assert_allclose(got, _module_expected(x, variables["params"],
+                                                   np.tri(MT, dtype=bool)),
+                             rtol=1e-5, atol=1e-5)
+  _, state = module.apply(variables, x_cols, sow_max_logits=False, mutable=["intermediates"])
+  assert state == {}  # the call's flag overrides the attribute
+  del nn
+
+
+def test_modules_refuse_what_returns_no_max_logits():
+  from flax import nnx
+  with raises(TypeError, "sow_max_logits", "'yes'"):
+    jattn.nnx.MultiHeadAttention(N, MF, sow_max_logits="yes", rngs=nnx.Rngs(0))
+  with raises(ValueError, "sow_max_logits", "attention_fn"):
+    jattn.nnx.MultiHeadAttention(N, MF, attention_fn=jattn.flax_attention_fn,
+                                 sow_max_logits=True, rngs=nnx.Rngs(0))
+  module = jattn.nnx.MultiHeadAttention(N, MF, rngs=nnx.Rngs(0))
+  module.init_cache(1, 8, paged=True, page_size=4)
+  with raises(ValueError, "sow_max_logits", "paged"):
+    module(np.zeros((1, 2, MF), np.float32), is_causal=True, decode=True,
+           sow_max_logits=True)
