@@ -155,5 +155,6 @@ def reference_max_logits(q, k, *, allowed=None, score=None, bias=None, scale=Non
     logits = logits + bias
   if score is not None:
     logits = score(logits)
-  allowed = np.ones(logits.shape, bool) if allowed is None else np.broadcast_to(allowed, logits.shape)
-  return np.where(allowed, logits, -np.inf).max(-1)
+  if allowed is not None:
+    logits = np.where(np.broadcast_to(allowed, logits.shape), logits, -np.inf)
+  return logits.max(-1)
