@@ -4,7 +4,8 @@ An `Implementation` answers one question before any work, `plan(call,
 platform)`: either a static, hashable plan (what it will compute: block sizes,
 a kernel's mask expression, ...) or a reason in words why it cannot take the
 call. `run(plan, query, key, value, modifiers, layout)` then computes it and
-returns (out, weights or None, lse float32 [B, N, T] or None).
+returns (out, weights or None, lse float32 [B, N, T] or None, max logits float32
+[B, N, T] or None).
 
 `implementation=None` walks `preference(call, platform)` and takes the first
 implementation that plans (`jattn/_src/dispatch.py`), once per platform the
@@ -51,7 +52,8 @@ class Implementation:
   platforms: where it runs ("cpu", "tpu", "cuda", "rocm"); None = everywhere.
   interpretable: a Pallas kernel that runs anywhere inside `pallas_interpret()`.
   plan(call, platform) -> a hashable plan, or a str: the reason it cannot.
-  run(plan, query, key, value, modifiers, layout) -> (out, weights | None, lse | None).
+  run(plan, query, key, value, modifiers, layout) -> (out, weights | None, lse | None,
+    max_logits | None).
   """
 
   name: str
@@ -103,6 +105,7 @@ def _flex_plan(kernel):
     modifiers = call.modifiers.replace(scale=float(call.scale))
     return kernel.plan(B=d.B, T=d.T, S=d.S, N=d.N, K=d.K, H=d.H, D=d.D, dtype=call.dtype,
                        modifiers=modifiers, return_weights=call.return_weights,
+                       return_max_logits=call.return_max_logits,
                        block_q=None if block is None else block.q,
                        block_kv=None if block is None else block.kv,
                        interpret=call.interpret)

@@ -24,7 +24,7 @@ def xla_attention(query, key, value, modifiers: Modifiers, layout: Layout):
   """Batched multi-head attention; the modifiers' bias and mask in logical [B|1, N|1, T, S].
 
   Returns (out in the layout with D for H, weights [B, N, T, S], lse float32
-  [B, N, T]); under jit an unused lse or weights costs nothing.
+  [B, N, T], max_logits float32 [B, N, T]); under jit an unused output costs nothing.
   """
   B, N, T = (query.shape[layout.axis(c)] for c in "BNT")
   S, K = (key.shape[layout.axis(c)] for c in "SK")
@@ -56,13 +56,23 @@ def xla_attention(query, key, value, modifiers: Modifiers, layout: Layout):
   if sinks is not None:  # the sink is a term of every row's denominator
     lse = jnp.logaddexp(lse, modifiers.sinks.astype(dtype).reshape(1, K, N // K, 1))
   lse = lse.reshape((B, N, T))
+  max_logits = _row_max(logits, mask, logits_sub).reshape((B, N, T))  # no sink: no key
   used = weights if keep is None else weights * to_logits(keep).astype(dtype)
   out = jnp.einsum(f"{logits_sub},{layout.value}->{out_sub}", used.astype(value.dtype),
                    value, preferred_element_type=dtype)
   out = out.reshape(out.shape[:layout.axis("N")] + (N,) + out.shape[layout.axis("N") + 2:])
   # weights [B, K, G, T, S] -> [B, N, T, S]
   weights = jnp.transpose(weights, [logits_sub.index(c) for c in _LOGICAL])
-  return out.astype(value.dtype), weights.reshape((B, N, T, S)), lse
+  return out.astype(value.dtype), weights.reshape((B, N, T, S)), lse, max_logits
+
+
+def _row_max(logits, mask, logits_sub: str) -> jax.Array:
+  """[B, K, G, T]: the largest visible logit of each row; LARGE_NEGATIVE for a row
+  with no visible key, as its lse without sinks."""
+  if mask is not None:
+    logits = jnp.where(mask, logits, LARGE_NEGATIVE)
+  # a row of score_mod's -inf alone is masked by scored_mask: it gets the constant too
+  return jnp.einsum(f"{logits_sub[:-1]}->BKGT", logits.max(axis=-1))
 
 
 def _row_lse(logits, mask, logits_sub: str) -> jax.Array:

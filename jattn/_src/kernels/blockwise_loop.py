@@ -79,14 +79,27 @@ _LOGITS_T = "BKSR"  # backward: one block of logits transposed, keys by rows
 def forward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, kv_offset,
             block_sizes: BlockSizes):
   """One query range against one key/value range; see the module docstring."""
-  out, lse, _ = forward_with_count(query, key, value, modifiers, layout, q_offset, kv_offset,
-                                   block_sizes)
-  return out, lse
+  return _forward(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)[:2]
+
+
+def forward_with_max(query, key, value, modifiers: Modifiers, layout: Layout, q_offset,
+                     kv_offset, block_sizes: BlockSizes):
+  """`forward`, and also each row's largest visible logit, float32 [B, N, T]: the
+  online softmax's running max m (LARGE_NEGATIVE for a row that sees no key here)."""
+  return _forward(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)[:3]
 
 
 def forward_with_count(query, key, value, modifiers: Modifiers, layout: Layout, q_offset,
                        kv_offset, block_sizes: BlockSizes):
   """`forward`, and also the number of (q block, kv block) pairs computed (int32)."""
+  out, lse, _, count = _forward(query, key, value, modifiers, layout, q_offset, kv_offset,
+                                block_sizes)
+  return out, lse, count
+
+
+def _forward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, kv_offset,
+             block_sizes: BlockSizes):
+  """-> (out, lse, max logits, count); under jit what is not used is not computed."""
   g = _Grid(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)
   classes = g.classes  # [nq, nk] or None: once, before the loops (not per query block)
   D = value.shape[layout.axis("D")]
@@ -144,14 +157,14 @@ def forward_with_count(query, key, value, modifiers: Modifiers, layout: Layout, 
     seen = l > 0.0
     o = o / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
-    return count, (o.astype(g.dtype), lse)
+    return count, (o.astype(g.dtype), lse, m)
 
   # int32 block indices, as the plan's bounds, also under jax_enable_x64
-  count, (o, lse) = lax.scan(q_block, jnp.int32(0), jnp.arange(g.nq, dtype=jnp.int32))
-  # o [I, B, K, R, D] -> out in the layout; lse [I, B, K, R] -> [B, N, T]
+  count, (o, lse, m) = lax.scan(q_block, jnp.int32(0), jnp.arange(g.nq, dtype=jnp.int32))
+  # o [I, B, K, R, D] -> out in the layout; lse and m [I, B, K, R] -> [B, N, T]
   out = g.ungroup(g.from_row_blocks(o, "BKRD", g.out_sub), g.out_sub)
-  lse = g.from_row_blocks(lse, _ROWS, "BKGT").reshape(g.B, g.N, g.T)
-  return out, lse, count
+  lse, m = (g.from_row_blocks(x, _ROWS, "BKGT").reshape(g.B, g.N, g.T) for x in (lse, m))
+  return out, lse, m, count
 
 
 def backward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, kv_offset,

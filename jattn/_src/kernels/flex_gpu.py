@@ -4,7 +4,8 @@ inside the kernel on each tile, as "flex_tpu" does on TPUs.
 
 `plan(...)` looks only at static facts of a call and returns a hashable `Plan`,
 or a reason in words for what the kernel cannot take. `run(plan, ...)` has the
-contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T]).
+contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T], max logits
+float32 [B, N, T] or None: each row's running max, written when the plan asks).
 
 Grid (B, N, T / block_q): each program holds one query tile of head n and loops
 (in the kernel) over the kv tiles of kv head n // G that are not EMPTY, in
@@ -78,6 +79,8 @@ class Plan(kernel_plan.TilePlan):
   num_stages: int = 2
   # positions are global from traced offsets (a ring step's): not wired on GPU yet
   offsets: bool = False
+  # the forward also writes each row's running max m (return_max_logits)
+  max_logits: bool = False
 
   @property
   def reads_padded(self) -> int:  # the dq kernel's vector of read gradients
@@ -105,6 +108,7 @@ def _tile(length: int, asked: int | None) -> int:
 
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
          modifiers: Modifiers, return_weights: bool = False,
+         return_max_logits: bool = False,
          block_q: int | None = None, block_kv: int | None = None,
          interpret: bool = False) -> Plan | str:
   """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
@@ -113,6 +117,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   ShapeDtypeStructs: only shapes, dtypes and the mods' jaxprs are read).
   block_q, block_kv: a block_mask's tiles, taken when they are powers of two >= 16.
   interpret: run the Pallas kernels in interpret mode (any backend, for tests).
+  return_max_logits: the forward also returns each row's largest visible logit.
   """
   m = modifiers
   reason = compat.missing("pallas_triton") or kernel_plan.common_refusal(
@@ -136,7 +141,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
               skip=facts.has_mask or bool(st.is_causal) or window is not None,
               q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
               segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
-              score_reads=facts.score_reads, score_tables=facts.score_tables)
+              score_reads=facts.score_reads, score_tables=facts.score_tables,
+              max_logits=bool(return_max_logits))
   return dataclasses.replace(plan, **(_LAUNCH.get() or {}))
 
 
@@ -166,12 +172,14 @@ def _kernels():
 
 
 def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T])."""
-  out, lse = _kernels().forward(p, layout, query, key, value, modifiers)
+  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T],
+  max logits float32 [B, N, T] or None)."""
+  out, lse, max_logits = _kernels().forward(p, layout, query, key, value, modifiers)
   out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
-  return without_batch(out, layout), lse[:, :, :p.T]
+  max_logits = None if max_logits is None else max_logits[:, :, :p.T]
+  return without_batch(out, layout), lse[:, :, :p.T], max_logits
 
 
-# -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
-# jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
+# -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`: the
+# kernels under jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
 run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))

@@ -3,14 +3,16 @@ user's mask_mod and score_mod evaluated inside the kernel on each tile.
 
 `plan(...)` looks only at static facts of a call and returns a hashable
 `Plan`, or a reason in words for what the kernel cannot take. `run(plan, ...)`
-has the contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T]).
+has the contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T],
+max logits float32 [B, N, T] or None).
 
 Grid (B, N, T / block_q, S / block_kv), the last axis sequential: each program
 holds one query tile [block_q, H] of head n and streams the key/value tiles of
 kv head n // G (the index map reads the shared kv head: K and V are never
 repeated per group). Online softmax in float32 in VMEM scratch (running max m
 and sum l lane-replicated [block_q, 128], accumulator [block_q, D]); the last
-kv step writes out and lse = m + log l. T and S are padded to the tiles, and
+kv step writes out and lse = m + log l (and m itself, the row's largest visible
+logit, when the plan asks for max logits). T and S are padded to the tiles, and
 the padded keys masked. Positions t, s are iota tiles; b and n the program's
 indices; the mods' captured arrays are in SMEM (scalar prefetch), see
 `tile_mods`. Sinks are applied to (out, lse) after the kernel, as blockwise does.
@@ -60,10 +62,13 @@ class Plan(kernel_plan.TilePlan):
   # the queries and keys start at traced global positions (a ring step's ranges),
   # passed to the kernels as two int32 scalars by scalar prefetch (`step_forward`)
   offsets: bool = False
+  # the forward also writes each row's running max m (return_max_logits)
+  max_logits: bool = False
 
 
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
          modifiers: Modifiers, return_weights: bool = False,
+         return_max_logits: bool = False,
          block_q: int | None = None, block_kv: int | None = None,
          interpret: bool = False, skip: bool = True, offsets: bool = False) -> Plan | str:
   """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
@@ -78,6 +83,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   a given block_mask of these tiles, else mask_mod evaluated block by block).
   offsets: the call covers T queries and S keys from traced global positions (one
   ring step); run it with `step_forward` / `step_backward`.
+  return_max_logits: the forward also returns each row's largest visible logit.
   """
   m = modifiers
   reason = compat.missing("pallas_tpu") or kernel_plan.common_refusal(
@@ -113,7 +119,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, facts.has_score, bool(interpret), score_reads, skip,
-              facts.mask_rows, score_tables, bool(offsets))
+              facts.mask_rows, score_tables, bool(offsets),
+              max_logits=bool(return_max_logits))
 
 
 def _kernels():
@@ -130,8 +137,9 @@ def _backward(*args):
   return _kernels().backward(*args)
 
 
-# -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
-# jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
+# -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`:
+# the kernels under jattn's kernel VJP (sinks after the forward, score_mod's tables by
+# blockwise)
 run = kernel_vjp.kernel_run(
     lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods),
     lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
@@ -150,7 +158,8 @@ def step_forward(plan_: Plan, layout: Layout, query, key, value, mods, q_offset,
   `offsets=True` for these T, S."""
   mods = None if mods is None else mods.traced()
   plan_ = kernel_plan.for_trace(plan_, mods)
-  return _forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
+  return _forward(plan_, layout, query, key, value, mods,
+                  _offsets(q_offset, kv_offset))[:2]
 
 
 def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Modifiers,
