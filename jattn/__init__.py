@@ -26,7 +26,7 @@ from jattn._src.lowering import lowering_for
 from jattn._src.nn.flax_attention_fn import flax_attention_fn
 from jattn._src.masks.structural import (causal_mask, combine_masks, local_mask, padding_mask,
                                          segment_mask)
-from jattn._src.impl.ring import ring_attention
+from jattn._src.parallel.ring import ring_attention
 from jattn._src.parallel.balance import ChunkOrder
 from jattn._src.parallel.context_parallel import (context_parallel_attention,
                                                   context_parallel_plan)

@@ -1,4 +1,4 @@
-"""ring_attention in this process (jattn/_src/impl/ring.py): its checks on meshes of any
+"""ring_attention in this process (jattn/_src/parallel/ring.py): its checks on meshes of any
 size (an AbstractMesh: checked before any device is needed), and its values on a
 one-device mesh against float64 NumPy: unbatched and columns layouts, T != S, the
 zig-zag order (two chunks on the one device), lse, a block mask. The 8-device cases

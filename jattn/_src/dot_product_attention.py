@@ -7,7 +7,7 @@ from jattn._src.call import make_call
 from jattn._src.impl import interpret
 from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.impl.registry import NAMES
-from jattn._src.impl.ring import from_context
+from jattn._src.parallel.ring import from_context
 
 
 def check_implementation(implementation, block_sizes) -> str | None:

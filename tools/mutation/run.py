@@ -100,7 +100,7 @@ TARGETS = {
                                     "(blockwise and mask_mods)'",
     "jattn/_src/masks/block_mask.py": "tests/test_block_mask.py tests/test_closed_form_blocks.py "
                             "tests/test_mods.py -k 'not vmap and not xla'",
-    "jattn/_src/impl/ring_loop.py": "tests/test_ring.py tests/test_ring_mods.py",
+    "jattn/_src/parallel/ring_loop.py": "tests/test_ring.py tests/test_ring_mods.py",
     # fourth round (issue 21 item 8)
     "jattn/mods.py": "tests/test_mods_entries.py tests/test_mods.py::test_mask_mods_match_reference "
                      "tests/test_mods.py::test_score_mods_match_reference -k 'not blockwise and not vmap'",
@@ -112,7 +112,7 @@ TARGETS = {
     "jattn/_src/impl/splash_mask.py": "tests/test_splash_mask.py",
     "jattn/_src/impl/kernel_plans.py": "tests/test_kernel_plans.py",
     # in-process checks and one-device values first, then the 8-device quick sets
-    "jattn/_src/impl/ring.py": "tests/test_ring_checks.py tests/test_ring.py tests/test_ring_mods.py "
+    "jattn/_src/parallel/ring.py": "tests/test_ring_checks.py tests/test_ring.py tests/test_ring_mods.py "
                                "-m 'not (thorough and slow)' -k 'not every_dtype'",
     "jattn/_src/dispatch.py": "tests/test_dispatch.py tests/test_lowering.py tests/test_mods_jit_cache.py "
                               "-k 'not export_carries'",

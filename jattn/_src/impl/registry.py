@@ -137,7 +137,7 @@ IMPLEMENTATIONS = {
         interpretable=True),
 }
 # "ring" and "context_parallel" are no entries: each is a shard_map over the context mesh
-# around the blockwise loop (jattn/_src/impl/ring.py), chosen only by name.
+# around the blockwise loop (jattn/_src/parallel/ring.py), chosen only by name.
 NAMES = tuple(IMPLEMENTATIONS) + ("ring", "context_parallel")
 
 

@@ -20,7 +20,7 @@ from jattn._src.dispatch import Choice, per_platform, record, residual_in_layout
 from jattn._src.impl import interpret
 from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.registry import PLATFORMS
-from jattn._src.impl.ring_loop import Ring
+from jattn._src.parallel.ring_loop import Ring
 from jattn._src.kernels import flex_tpu
 from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.structural import MaskSpec

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jattn._src.impl.ring_loop import Ring, ring_core
+from jattn._src.parallel.ring_loop import Ring, ring_core
 from jattn._src.masks.programmable import build_mods
 from jattn._src.parallel.balance import ChunkOrder
 from jattn._src.parallel.mesh import place
