@@ -30,7 +30,7 @@ def test_kernel_benchmark_runs_in_smoke_mode(script):
                            "machines' jax)")
 def test_the_gpu_check_rehearses_every_stage_on_this_cpu(tmp_path):
   """tools/gpu_check.py --smoke: the GPU check's stages at tiny sizes (the rehearsal
-  subset of tests/test_gpu.py interpreted and exported, the benchmark and the tile sweep
+  subset of tests/kernels/test_gpu.py interpreted and exported, the benchmark and the tile sweep
   interpreted), so the prepared command cannot rot between sessions that have a GPU."""
   done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--smoke",
                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)

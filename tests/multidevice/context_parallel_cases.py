@@ -1,6 +1,6 @@
 """Every context-parallel strategy against one device on 8 simulated CPU devices.
 
-Run by tests/test_context_parallel.py in a subprocess with
+Run by tests/multidevice/test_context_parallel.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. For each mask (causal, 16
 documents of random lengths, a sliding window, prefix-LM, chunked, a hand-written
 per-head mask_mod, sinks with ALiBi, soft-cap) and strategy (ring, all_gather,

@@ -1,6 +1,6 @@
 """Ring attention against single-device attention on 8 simulated CPU devices.
 
-Run by tests/test_ring.py in a subprocess with
+Run by tests/multidevice/test_ring.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8, so that the rest of the
 suite keeps one device. Exits non-zero, naming the case, on any mismatch.
 "quick" (the default tier): 7 of the 12 checks, the lengths with several blocks per

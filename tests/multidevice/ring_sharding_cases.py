@@ -5,7 +5,7 @@ jax.jit(jax.vjp), through `ring_attention(mesh=...)` and through
 `dot_product_attention(implementation="ring")` inside `jax.set_mesh`. Values and
 gradients against the float64 NumPy reference (tests/reference_grads.py).
 
-Run by tests/test_ring.py in a subprocess with
+Run by tests/multidevice/test_ring.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
 check; exits non-zero on any failure.
 """

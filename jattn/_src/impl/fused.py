@@ -11,7 +11,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn._src import compat
 from jattn._src.impl.kernel_plans import PallasPlan, SplashPlan, find_document, pallas_blocks

@@ -23,7 +23,8 @@ from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.blockwise import blockwise_attention
 from jattn._src.impl.vmap import vmapped_attention
 from jattn._src.impl.xla import xla_attention
-from jattn._src.kernels import flex_gpu, flex_mgpu, flex_tpu
+from jattn._src.kernels import (flex_gpu, flex_gpu_call, flex_mgpu, flex_mgpu_call, flex_tpu,
+                                flex_tpu_call)
 
 # The platforms a program is lowered for, as jax.lax.platform_dependent names
 # them. "rocm" stands for every accelerator without a kernel of its own here.
@@ -129,11 +130,11 @@ IMPLEMENTATIONS = {
         "pallas", kernel_plans.pallas_plan, fused.pallas_implementation,
         platforms=("cuda",), interpretable=True),
     "flex_tpu": Implementation(  # jattn's own TPU kernel: any mask_mod / score_mod
-        "flex_tpu", _flex_plan(flex_tpu), flex_tpu.run, platforms=("tpu",), interpretable=True),
+        "flex_tpu", _flex_plan(flex_tpu), flex_tpu_call.run, platforms=("tpu",), interpretable=True),
     "flex_gpu": Implementation(  # jattn's own GPU kernel (Triton): any mask_mod / score_mod
-        "flex_gpu", _flex_plan(flex_gpu), flex_gpu.run, platforms=("cuda",), interpretable=True),
+        "flex_gpu", _flex_plan(flex_gpu), flex_gpu_call.run, platforms=("cuda",), interpretable=True),
     "flex_mgpu": Implementation(  # jattn's own GPU kernel on Mosaic GPU (Hopper): the same mods
-        "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu.run, platforms=("cuda",),
+        "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu_call.run, platforms=("cuda",),
         interpretable=True),
 }
 # "ring" and "context_parallel" are no entries: each is a shard_map over the context mesh

@@ -2,8 +2,8 @@
 lowering: Ampere and Hopper), with the user's mask_mod and score_mod evaluated
 inside the kernel on each tile, as "flex_tpu" does on TPUs.
 
-`plan(...)` looks only at static facts of a call and returns a hashable `Plan`,
-or a reason in words for what the kernel cannot take. `run(plan, ...)` has the
+`plan(...)` looks only at static facts of a call and returns a hashable `Plan`, or a
+reason in words for what the kernel cannot take. `flex_gpu_call.run(plan, ...)` has the
 contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T], max logits
 float32 [B, N, T] or None: each row's running max, written when the plan asks).
 
@@ -41,10 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import compat
-from jattn._src.core.layout import Layout
 from jattn._src.masks.modifiers import Modifiers
-from jattn._src.kernels import kernel_plan, kernel_vjp
-from jattn._src.kernels.kernel_vjp import batched, without_batch
+from jattn._src.kernels import kernel_plan
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # Tiles and launch parameters. NOT MEASURED on a GPU (none was available): 64 x 64
@@ -163,23 +161,3 @@ def launch_parameters(*, block_q: int, block_kv: int, num_warps: int, num_stages
     yield
   finally:
     _LAUNCH.reset(token)
-
-
-def _kernels():
-  """The Pallas Triton kernels' module, imported on first use (the plan checked its API)."""
-  from jattn._src.kernels import flex_gpu_kernels
-  return flex_gpu_kernels
-
-
-def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T],
-  max logits float32 [B, N, T] or None)."""
-  out, lse, max_logits = _kernels().forward(p, layout, query, key, value, modifiers)
-  out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
-  max_logits = None if max_logits is None else max_logits[:, :, :p.T]
-  return without_batch(out, layout), lse[:, :, :p.T], max_logits
-
-
-# -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`: the
-# kernels under jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
-run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))

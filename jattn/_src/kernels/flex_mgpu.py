@@ -4,9 +4,9 @@ inside the kernel on each tile, as "flex_gpu" does on Pallas's Triton backend (w
 jax deprecates from 0.11).
 
 `plan(...)` looks only at static facts of a call and returns a hashable `Plan`, or a
-reason in words for what the kernel cannot take. `run(plan, ...)` has the contract of
-`blockwise_attention`: -> (out, None, lse float32 [B, N, T], max logits float32 [B, N, T]
-or None: each row's running max, written when the plan asks).
+reason in words for what the kernel cannot take. `flex_mgpu_call.run(plan, ...)` has the
+contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T], max logits
+float32 [B, N, T] or None: each row's running max, written when the plan asks).
 
 The same design as "flex_gpu" (its docstring): grid (T / 64, N, B), a program per
 64-row query tile, looping over the 64-column kv tiles of kv head n // G that are not
@@ -31,10 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import compat
-from jattn._src.core.layout import Layout
 from jattn._src.masks.modifiers import Modifiers
-from jattn._src.kernels import kernel_plan, kernel_vjp
-from jattn._src.kernels.kernel_vjp import batched, without_batch
+from jattn._src.kernels import kernel_plan
 
 # wgmma takes 16-bit operands here (float32 would be TF32 on the tensor cores)
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -186,23 +184,3 @@ def _side_refusal(p: Plan, m: Modifiers, itemsize: int) -> str | None:
     return (f"its tiles need {need // 1024} KiB of shared memory at head width "
             f"{p.H_padded}, over a Hopper SM's {SMEM_BYTES // 1024} KiB")
   return None
-
-
-def _kernels():
-  """The Mosaic GPU kernels' module, imported on first use (the plan checked its API)."""
-  from jattn._src.kernels import flex_mgpu_kernels
-  return flex_mgpu_kernels
-
-
-def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T],
-  max logits float32 [B, N, T] or None)."""
-  out, lse, max_logits = _kernels().forward(p, layout, query, key, value, modifiers)
-  out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
-  max_logits = None if max_logits is None else max_logits[:, :, :p.T]
-  return without_batch(out, layout), lse[:, :, :p.T], max_logits
-
-
-# -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`: the
-# kernels under jattn's kernel VJP (sinks after the forward, score_mod's arrays by blockwise)
-run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jattn._src.core.layout import Layout
+
 
 def check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims) -> int:
   """The mesh and its axis names, and B, N, K divisible over their axes; returns P."""

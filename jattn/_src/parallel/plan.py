@@ -26,7 +26,6 @@ import dataclasses
 import numpy as np
 
 from jattn._src.parallel import balance as _balance
-from jattn._src.parallel import block_work
 from jattn._src.parallel.relayout import bytes_moved
 
 STRATEGIES = ("ring", "all_gather", "ulysses")

@@ -19,7 +19,7 @@ Within a pair, each step is the blockwise implementation's raw forward over
 (query chunk x K/V chunk), so memory is linear in the chunk lengths, and
 blocks that the causal, window, length or segment masks rule out are skipped;
 or, where `Ring.kernel` holds a flex_tpu plan (the TPU branch), the flex_tpu
-Pallas kernel at the pair's global offsets (`flex_tpu.step_forward` /
+Pallas kernel at the pair's global offsets (`flex_tpu_call.step_forward` /
 `step_backward`).
 
 The backward pass (a custom VJP) is a second trip around the ring: each K/V
@@ -45,7 +45,7 @@ from jattn._src.masks.structural import MaskSpec
 from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 from jattn._src.core.softmax import LARGE_NEGATIVE
-from jattn._src.kernels import flex_tpu
+from jattn._src.kernels import flex_tpu_call
 from jattn._src.masks.block_mask import EMPTY
 
 _ROWS = "BNT"  # one value per query row and head: lse
@@ -103,7 +103,7 @@ class Ring:
     if self.kernel is None:
       return _blockwise.forward(q, k, v, modifiers, self.layout, q_offset, kv_offset,
                                 self.block_sizes)
-    return flex_tpu.step_forward(self.kernel, self.layout, q, k, v, modifiers.mods, q_offset,
+    return flex_tpu_call.step_forward(self.kernel, self.layout, q, k, v, modifiers.mods, q_offset,
                                  kv_offset)
 
   def step_backward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset, out, lse, d_out):
@@ -114,7 +114,7 @@ class Ring:
           q, k, v, modifiers, self.layout, q_offset, kv_offset, self.block_sizes, out, lse,
           d_out)
       return dq, dk, dv, dc
-    return flex_tpu.step_backward(self.kernel, self.layout, q, k, v, modifiers, q_offset,
+    return flex_tpu_call.step_backward(self.kernel, self.layout, q, k, v, modifiers, q_offset,
                                   kv_offset, out, lse, d_out)
 
 
