@@ -180,7 +180,7 @@ def test_gemma2_style_config_decodes_as_its_full_pass():
   from configs import mqar_gemma2_style
   from jattn.rope import DEFAULT_BASE
   from jattn.transformer import Transformer
-  from tests.test_transformer_reference import B as RB, T as RT, reference_logits
+  from tests.nn.test_transformer_reference import B as RB, T as RT, reference_logits
 
   config = mqar_gemma2_style.get_config()
   assert any(w is None for w in config.attention_pattern)  # global layers

@@ -110,7 +110,7 @@ def test_blockwise_uses_the_closed_form_not_mask_mod_on_every_block(monkeypatch)
   the whole grid (that path is made to fail here), and the result is still right."""
   import jattn
   from jattn._src.kernels import blockwise_loop as _blockwise
-  from tests.test_mods import BS, IDS_KV, IDS_Q, KEY, Q, V, reference
+  from tests.masks.test_mods import BS, IDS_KV, IDS_Q, KEY, Q, V, reference
 
   def refuse(*args, **kwargs):
     raise AssertionError("mask_mod evaluated on every block of a ready-made mask")
