@@ -19,7 +19,8 @@ The kernels are in `flex_tpu_kernels`; docs/tpu_kernel.md has the whole design.
 Backward: a custom VJP with two Pallas kernels recomputing the weights from
 out and lse (`backward`); gradients into sinks by XLA from (out, lse, d out);
 gradients into score_mod's captured float arrays: the dq kernel writes, per
-program, the gradient of each SMEM read and the read's index, and XLA sums them.
+program, the gradient of each SMEM read and the read's index, and per query tile a
+row of each table read at positions (`table_grads`); XLA sums them.
 """
 
 from __future__ import annotations
@@ -55,11 +56,14 @@ class Plan(kernel_plan.TilePlan):
   # ((const index, "t" or "s"), ...): mask_mod's per-token arrays, read as blocks
   mask_rows: tuple = ()
   # (const index, ...): score_mod's tables read at a tile of indices (a relative bias),
-  # in VMEM, gathered along the lanes; their gradients by the blockwise backward
+  # in VMEM, gathered along the lanes
   score_tables: tuple = ()
   # the queries and keys start at traced global positions (a ring step's ranges),
   # passed to the kernels as two int32 scalars by scalar prefetch (`step_forward`)
   offsets: bool = False
+  # const index of each read of a float table at positions, in evaluation order: the
+  # dq kernel returns one gradient row per read and query tile (`table_grads`)
+  table_reads: tuple = ()
 
 
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
@@ -113,7 +117,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, facts.has_score, bool(interpret), score_reads, skip,
-              facts.mask_rows, score_tables, bool(offsets))
+              facts.mask_rows, score_tables, bool(offsets), facts.table_reads)
 
 
 def _kernels():
@@ -131,7 +135,7 @@ def _backward(*args):
 
 
 # -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
-# jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
+# jattn's kernel VJP (sinks after the forward)
 run = kernel_vjp.kernel_run(
     lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods),
     lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
@@ -160,13 +164,8 @@ def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Mod
   score_mod's float arrays' gradients (None for the others))."""
   mods = None if modifiers.mods is None else modifiers.mods.traced()
   plan_ = kernel_plan.for_trace(plan_, mods)
-  d_q, d_k, d_v, d_consts = _backward(plan_, layout, query, key, value, mods, out, lse, d_out,
-                                     _offsets(q_offset, kv_offset))
-  if plan_.score_tables:
-    d_consts = kernel_vjp.blockwise_score_grads(plan_, layout, query, key, value,
-                                                 modifiers.replace(mods=mods), out, lse, d_out,
-                                                 q_offset, kv_offset)
-  return d_q, d_k, d_v, d_consts
+  return _backward(plan_, layout, query, key, value, mods, out, lse, d_out,
+                   _offsets(q_offset, kv_offset))
 
 
 def _offsets(q_offset, kv_offset):
