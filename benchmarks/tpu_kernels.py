@@ -41,10 +41,10 @@ import numpy as np  # noqa: E402
 import jattn  # noqa: E402
 from benchmarks.kernel_timing import interleaved, timed  # noqa: E402
 from jattn._src.core.layout import Layout  # noqa: E402
-from jattn._src.core.modifiers import Modifiers  # noqa: E402
-from jattn._src.impl.block_sizes import default_block_sizes  # noqa: E402
+from jattn._src.masks.modifiers import Modifiers  # noqa: E402
+from jattn._src.core.block_sizes import default_block_sizes  # noqa: E402
 from jattn._src.impl.blockwise import blockwise_attention  # noqa: E402
-from jattn._src.kernels import flex_tpu  # noqa: E402
+from jattn._src.kernels import flex_tpu, flex_tpu_call  # noqa: E402
 from jattn._src.masks.programmable import build_mods  # noqa: E402
 from jattn._src.masks.structural import MaskSpec  # noqa: E402
 
@@ -85,7 +85,7 @@ def contenders(args, name, spec):
                       block_kv=args.block_kv, interpret=args.smoke)
     if isinstance(p, str):
       raise SystemExit(f"flex_tpu refused {name}: {p}")
-    return flex_tpu.run(p, q, k, v, m, layout)[0]
+    return flex_tpu_call.run(p, q, k, v, m, layout)[0]
 
   out["flex_tpu"] = flex
   out["blockwise"] = lambda q, k, v: blockwise_attention(

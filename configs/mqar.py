@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.attention_pattern = ()  # per layer, cycled: None global causal, int w a window of w keys back
   config.logit_soft_cap = config_dict.placeholder(float)  # cap * tanh(logit / cap) in every layer (None: off)
   config.sinks = False  # a learned attention sink per head in every layer
-  config.implementation = config_dict.placeholder(str)  # jattn.dot_product_attention implementation (None: best; "ring" when mesh.seq > 1)
+  config.implementation = config_dict.placeholder(str)  # jattn.dot_product_attention implementation (None: best; "context_parallel" when mesh.seq > 1, or "ring")
   # devices: a ("data", "model", "seq") mesh; data * model * seq = all devices
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = -1  # devices on the batch axis B (-1: all that model and seq leave)

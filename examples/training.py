@@ -139,9 +139,10 @@ def check_mesh(config) -> None:
     if config.seq_len % (2 * seq):
       raise ValueError(f"config.seq_len ({config.seq_len}) must be divisible by 2 x "
                        f"config.mesh.seq = {2 * seq} (two causal chunks per device)")
-    if config.implementation not in (None, "ring"):
-      raise ValueError(f"config.mesh.seq = {seq} runs attention as a ring: "
-                       f"config.implementation must be None or 'ring', got "
+    if config.implementation not in (None, "ring", "context_parallel"):
+      raise ValueError(f"config.mesh.seq = {seq} shards attention over the sequence: "
+                       f"config.implementation must be None, 'ring' or "
+                       f"'context_parallel', got "
                        f"{config.implementation!r}")
 
 
@@ -156,13 +157,15 @@ def model_config(config, *, for_weights: bool = False) -> TransformerConfig:
   """The Transformer of `config`; for_weights: one whose attention forms the
   weights (for plots): implementation None (it picks one that forms them), where
   training would run a ring or a config names one that never does ("blockwise")."""
-  ring = config.mesh.seq > 1 and not for_weights
+  # seq > 1: the sequence sharded over "seq", the strategy chosen per call unless "ring"
+  parallel = config.mesh.seq > 1 and not for_weights
   return TransformerConfig(
       vocab_size=config.vocab_size, max_len=config.seq_len,
       num_layers=config.num_layers, features=config.features,
       num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
       mlp_features=config.mlp_features, layout=config.layout,
-      implementation=None if for_weights else "ring" if ring else config.implementation,
+      implementation=None if for_weights else (
+          config.implementation or "context_parallel") if parallel else config.implementation,
       position_encoding=config.position_encoding,
       previous_token_embedding=config.previous_token_embedding,
       embed_init_std=config.embed_init_std,
@@ -274,7 +277,7 @@ def train_and_evaluate(config, workdir, *, stop_after: int | None = None) -> dic
   check_config(config)
   workdir = pathlib.Path(workdir).resolve()
   mesh = make_mesh(config)
-  with jax.set_mesh(mesh):  # the context mesh of implementation="ring"
+  with jax.set_mesh(mesh):  # the context mesh of implementation="context_parallel"
     return _train(config, workdir, mesh, stop_after)
 
 

@@ -17,7 +17,7 @@ Letters used in every shape and einsum string:
 from jattn._src.core.attend import attend
 from jattn._src.core.attention import attention, project_qkv
 from jattn._src.masks.block_mask import BlockMask, create_block_mask
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.dot_product_attention import dot_product_attention
 from jattn._src.dispatch import Explanation, explain_calls
 from jattn._src.decode.decode_attention import decode_attention, explain_decode
@@ -26,15 +26,23 @@ from jattn._src.lowering import lowering_for
 from jattn._src.nn.flax_attention_fn import flax_attention_fn
 from jattn._src.masks.structural import (causal_mask, combine_masks, local_mask, padding_mask,
                                          segment_mask)
-from jattn._src.impl.ring import ring_attention
+from jattn._src.parallel.ring import ring_attention
+from jattn._src.parallel.balance import ChunkOrder
+from jattn._src.parallel.context_parallel import (context_parallel_attention,
+                                                  context_parallel_plan)
+from jattn._src.parallel.plan import ContextParallelPlan
 
 __all__ = [
     "BlockMask",
     "BlockSizes",
+    "ChunkOrder",
+    "ContextParallelPlan",
     "attend",
     "attention",
     "causal_mask",
     "combine_masks",
+    "context_parallel_attention",
+    "context_parallel_plan",
     "create_block_mask",
     "decode_attention",
     "dot_product_attention",

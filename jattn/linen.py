@@ -63,7 +63,11 @@ class MultiHeadAttention(nn.Module):
   force_fp32_for_softmax (jattn's softmax is always float32). The deprecated
   dot_general / einsum hooks raise a ValueError when given.
 
-  jattn's own: num_kv_heads, layout, implementation; decode=True in the call
+  jattn's own: num_kv_heads, layout, implementation, sow_max_logits (default
+  for the call's: sow each head's largest visible logit, float32 [N], max over
+  batch and query rows, into 'intermediates' as 'max_logits': what Muon's
+  QK-clip reads; see `dot_product_attention(return_max_logits=)`);
+  decode=True in the call
   (a cache position per batch element, `lengths`, is_causal=True). The
   features F are read from inputs_q. Dropout draws from the `dropout` rng
   collection unless the call gives `dropout_rng`.
@@ -108,6 +112,7 @@ class MultiHeadAttention(nn.Module):
   qk_attn_weights_einsum_cls: Any = None
   attn_weights_value_einsum_cls: Any = None
   use_sinks: bool = False  # a learned `sinks` [N] parameter (zeros at init)
+  sow_max_logits: bool = False  # sow each head's largest visible logit [N]
 
   def explain(self, *args, **kwargs) -> list:
     """`jattn.explain` for this module's configuration, as a method for `apply`:
@@ -131,12 +136,14 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
                mask=None, is_causal: bool = False, deterministic=None, dropout_rng=None,
                sow_weights: bool = False, decode: bool = False, lengths=None,
-               mask_mod=None, score_mod=None):
+               mask_mod=None, score_mod=None, sow_max_logits=None):
     """inputs_k/inputs_v/inputs_kv as flax's (keys and values default to
     inputs_q; each projected by a kernel sized from its own features; with
     decode, the new tokens' keys and values come from them); mask bool or numeric, nonzero = may attend, broadcastable to
     [B, N, T, S]; dropout_rng overrides the `dropout` collection; sow_weights
-    sows the weights [B, N, T, S] into 'intermediates'. lengths: int [B], keys
+    sows the weights [B, N, T, S] into 'intermediates'; sow_max_logits (default
+    the attribute's) sows each head's largest visible logit [N] there as
+    'max_logits'. lengths: int [B], keys
     past lengths[b] are padding. mask_mod / score_mod: as
     `dot_product_attention`'s; when decoding they see each query's position in
     the cache."""
@@ -225,7 +232,8 @@ class MultiHeadAttention(nn.Module):
           dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
           broadcast_dropout=self.broadcast_dropout, implementation=self.implementation,
           sow_weights=sow_weights, attention_fn=user_fn,
-          sow=lambda w: self.sow("intermediates", "attention_weights", w))
+          sow_max_logits=self.sow_max_logits if sow_max_logits is None else sow_max_logits,
+          sow=lambda name, x: self.sow("intermediates", name, x))
       out = _heads.project_out(out, *out_proj(), **heads)
     return _heads.split_batch(out, batch)
 

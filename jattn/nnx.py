@@ -23,7 +23,7 @@ from jattn._src.decode import paged_cache as _paged
 from jattn._src.nn import kv_cache as _kv_cache
 from jattn._src.nn import paged_step as _paged_step
 from jattn._src.dispatch import explain_calls
-from jattn._src.nn.attend_step import attend
+from jattn._src.nn.attend_step import attend, check_sow_max_logits
 from jattn._src.nn.precision import matmul_precision
 
 default_kernel_init = nnx.initializers.lecun_normal()
@@ -79,6 +79,11 @@ class MultiHeadAttention(nnx.Module):
     implementation: passed to jattn.dot_product_attention.
     use_sinks: a learned attention sink per query head, the parameter
       `sinks` [N] (zeros at init); see `dot_product_attention(sinks=)`.
+    sow_max_logits: default for the call's: each call sows each head's largest
+      visible logit, float32 [N] (max over batch and query rows, after scale,
+      mods and masks; `dot_product_attention(return_max_logits=)`), as
+      nnx.Intermediate 'max_logits': what Muon's QK-clip reads (nnx.capture, or
+      nnx.pop(model, nnx.Intermediate)).
 
   Raises:
     ValueError: num_heads not divisible by num_kv_heads, features not divisible
@@ -115,7 +120,8 @@ class MultiHeadAttention(nnx.Module):
                kernel_metadata=_NO_METADATA, out_kernel_metadata=_NO_METADATA,
                bias_metadata=_NO_METADATA, out_bias_metadata=_NO_METADATA,
                query_ln_scale_metadata=_NO_METADATA, key_ln_scale_metadata=_NO_METADATA,
-               layout: str = "rows", implementation=None, use_sinks: bool = False):
+               layout: str = "rows", implementation=None, use_sinks: bool = False,
+               sow_max_logits: bool = False):
     _heads.check_deprecated(qkv_dot_general=qkv_dot_general,
                             out_dot_general=out_dot_general,
                             qkv_dot_general_cls=qkv_dot_general_cls,
@@ -146,6 +152,8 @@ class MultiHeadAttention(nnx.Module):
     self.deterministic = deterministic
     self.decode = decode
     self.normalize_qk = normalize_qk
+    check_sow_max_logits(sow_max_logits, attention_fn)
+    self.sow_max_logits = sow_max_logits
 
     N, K, H = num_heads, self.num_kv_heads, self.head_dim
     proj = dict(use_bias=use_bias, param_dtype=param_dtype, kernel_init=kernel_init,
@@ -275,7 +283,8 @@ class MultiHeadAttention(nnx.Module):
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None,
                mask=None, is_causal: bool = False, deterministic=None, rngs=None,
                sow_weights: bool = False, decode=None, lengths=None,
-               out_sharding=None, qkv_sharding=None, mask_mod=None, score_mod=None):
+               out_sharding=None, qkv_sharding=None, mask_mod=None, score_mod=None,
+               sow_max_logits=None):
     """inputs [B, T, F] (rows) or [B, F, T] (columns) -> the same with out_features.
 
     inputs_k / inputs_v: keys and values come from inputs_q when both are None,
@@ -284,7 +293,9 @@ class MultiHeadAttention(nnx.Module):
     with nonzero = may attend (flax's float32 masks). rngs: an nnx.Rngs or
     RngStream for dropout, instead of the module's. sow_weights=True stores the
     attention weights [B, N, T, S] as nnx.Intermediate 'attention_weights'
-    (read them with nnx.capture). out_sharding / qkv_sharding: the shardings
+    (read them with nnx.capture). sow_max_logits (default: the constructor's)
+    sows each head's largest visible logit, float32 [N], as nnx.Intermediate
+    'max_logits'. out_sharding / qkv_sharding: the shardings
     of the output and of the projected q, k, v (in the module's layout).
 
     decode (default: the constructor's): attention over the cache, after
@@ -321,13 +332,14 @@ class MultiHeadAttention(nnx.Module):
                        f"pass inputs_k (and inputs_v)")
     mask = _heads.float_mask(mask)
     decode = self.decode if decode is None else decode
+    sow_max_logits = self.sow_max_logits if sow_max_logits is None else sow_max_logits
     B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]
     S = inputs_k.shape[_heads.token_axis(layout)]
     paged = decode and self.paged_cache is not None
     if paged:
       _paged_step.check_call(B=B, T=T, new_keys=S, cache=self.paged_cache.get_value(),
                              mask=mask, attention_fn=self.attention_fn,
-                             sow_weights=sow_weights,
+                             sow_weights=sow_weights, sow_max_logits=sow_max_logits,
                              dropout=self._dropout_rng(deterministic, rngs) is not None)
     elif decode:
       self._check_decode(is_causal, lengths, B=B, T=T, S=S)
@@ -366,8 +378,8 @@ class MultiHeadAttention(nnx.Module):
           kv_lengths=kv_lengths, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks,
           dropout_rng=dropout_rng, dropout_rate=self.dropout_rate,
           broadcast_dropout=self.broadcast_dropout, implementation=self.implementation,
-          sow_weights=sow_weights, attention_fn=user_fn,
-          sow=lambda w: self.sow(nnx.Intermediate, "attention_weights", w))
+          sow_weights=sow_weights, sow_max_logits=sow_max_logits, attention_fn=user_fn,
+          sow=lambda name, x: self.sow(nnx.Intermediate, name, x))
       out = _heads.project_out(*self.out.arrays(out, self.dtype), layout=layout,
                                out_sharding=out_sharding)
     return _heads.split_batch(out, batch)

@@ -8,8 +8,9 @@ matmuls of a block need no gather between them. Everything else (embeddings,
 norms, LM head) is replicated.
 
 Activations: tokens [B, T] are split over "data" (B) and "seq" (T); attention
-with implementation="ring" then runs the sequence axis as a ring (see
-`jattn.ring_attention`).
+with implementation="context_parallel" then shards the sequence over "seq" by the
+strategy chosen per call (ring, all-gather or Ulysses; see
+`jattn.context_parallel_attention`), implementation="ring" as a ring.
 
 Rules match the end of a parameter's path, so they apply as well to optimizer
 states that mirror the parameters (Adam's mu and nu).

@@ -19,7 +19,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-# Property tests (tests/test_properties.py) run under two hypothesis profiles:
+# Property tests (tests/impl/test_properties.py) run under two hypothesis profiles:
 # "ci", a few derandomized examples in the default tier, and "thorough",
 # hundreds of random ones in the slow tier (`pytest -m thorough`).
 import hypothesis  # noqa: E402
@@ -38,7 +38,7 @@ import pytest  # noqa: E402
 _PLATFORM_OF_MARK = {"tpu": "tpu", "gpu": "gpu"}
 
 
-# JATTN_GPU_REHEARSAL=1 (tools/gpu_check.py --smoke) runs tests/test_gpu.py's subset on a
+# JATTN_GPU_REHEARSAL=1 (tools/gpu_check.py --smoke) runs tests/kernels/test_gpu.py's subset on a
 # CPU, interpreted and exported: the rehearsal of the GPU check.
 _REHEARSED = {"gpu": "test_gpu.py"} if os.environ.get("JATTN_GPU_REHEARSAL") == "1" else {}
 

@@ -141,3 +141,20 @@ def reference_mods(q, k, v, *, allowed=None, score=None, sinks=None, scale=None,
   denom = e.sum(-1, keepdims=True) + np.exp(sink - m)
   w = np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
   return np.einsum("BNTS,BSND->BTND", w, vv), w
+
+
+def reference_max_logits(q, k, *, allowed=None, score=None, bias=None, scale=None):
+  """float64 [B, N, T]: each row's largest logit over its allowed keys, BTNH layout;
+  -inf for a row with none. Logits as `reference_mods`: q . k * scale + bias, then
+  score; allowed broadcastable to [B, N, T, S]. Sinks are no key's logit: not here."""
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  kk = np.repeat(k, q.shape[2] // k.shape[2], axis=2)  # kv head n // G for query head n
+  scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+  logits = np.einsum("BTNH,BSNH->BNTS", q, kk) * scale
+  if bias is not None:
+    logits = logits + bias
+  if score is not None:
+    logits = score(logits)
+  if allowed is not None:
+    logits = np.where(np.broadcast_to(allowed, logits.shape), logits, -np.inf)
+  return logits.max(-1)

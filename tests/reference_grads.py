@@ -9,7 +9,7 @@ Letters as in API.md: B T S N K G H D.
 
 import numpy as np
 
-from reference import _masked_softmax, reference_mask
+from tests.reference import _masked_softmax, reference_mask
 
 
 def reference_vjp(query, key, value, d_out, bias=None, *, scale=None, **masks):

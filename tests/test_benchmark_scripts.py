@@ -30,7 +30,7 @@ def test_kernel_benchmark_runs_in_smoke_mode(script):
                            "machines' jax)")
 def test_the_gpu_check_rehearses_every_stage_on_this_cpu(tmp_path):
   """tools/gpu_check.py --smoke: the GPU check's stages at tiny sizes (the rehearsal
-  subset of tests/test_gpu.py interpreted and exported, the benchmark and the tile sweep
+  subset of tests/kernels/test_gpu.py interpreted and exported, the benchmark and the tile sweep
   interpreted), so the prepared command cannot rot between sessions that have a GPU."""
   done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--smoke",
                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
@@ -54,3 +54,19 @@ def test_decode_benchmark_runs_in_smoke_mode():
                         cwd="/")
   assert done.returncode == 0, done.stderr[-3000:]
   assert "paged (split)" in done.stdout and "torch SDPA" in done.stdout
+
+
+@pytest.mark.thorough
+def test_context_parallel_benchmark_runs_at_small_sizes(tmp_path):
+  """benchmarks/context_parallel.py at T = 4096 (plan only), memory at one size, timing at
+  T = 256: every table is printed and written."""
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"),
+                         "--lengths", "4096", "--memory-lengths", "1024", "--memory-devices",
+                         "8", "--time-length", "256", "--repeats", "1", "--out", str(tmp_path)],
+                        capture_output=True, text=True, timeout=600, cwd="/")
+  assert done.returncode == 0, done.stderr[-3000:]
+  results = json.loads((tmp_path / "context_parallel.json").read_text())
+  assert {r["mask"] for r in results["balance"]} == {"causal", "16 documents", "4k window",
+                                                      "prefix-LM"}
+  assert {r["strategy"] for r in results["memory"]} == {"ring", "all_gather", "ulysses"}
+  assert len(results["timing"]) == 8, results["timing"]

@@ -7,7 +7,7 @@ against float64, and times it against cuDNN, jax's kernels and PyTorch FlexAtten
 Stages, in order, each in its own process with its own time budget; a stage that fails
 or runs out of time is recorded and the next one runs:
   env    nvidia-smi, jax.print_environment_info(), torch's version and device
-  tests  the gpu-marked tests (tests/test_gpu.py, tests/test_flex_gpu.py) compiled on
+  tests  the gpu-marked tests (tests/kernels/test_gpu.py, tests/kernels/test_flex_gpu.py) compiled on
          the GPU: pytest -m gpu, a JUnit XML of every case
   bench  benchmarks/gpu_kernels.py: flex_gpu, flex_mgpu, the default dispatch, cuDNN, Pallas mha,
          torch FlexAttention and SDPA, bfloat16, H = 128, N = 16, T = 4k, 16k, 1k
@@ -61,7 +61,7 @@ def commands(stage: str, out: pathlib.Path, smoke: bool, budget: float,
     workers = ["-n", "8"] if not smoke else []
     return [[py, "-m", "pytest", "-v", "-rfEs", "-o", "addopts=", "-p", "no:cacheprovider",
              "-m", "gpu", *workers, f"--junitxml={out / 'junit.xml'}",
-             *extra.get("tests", "tests/test_gpu.py tests/test_flex_gpu.py").split()]]
+             *extra.get("tests", "tests/kernels/test_gpu.py tests/kernels/test_flex_gpu.py").split()]]
   # the benchmark stops starting new timings with a margin for the running one
   deadline = ["--deadline", str(max(1.0, budget - 40))]
   smoke_flag = ["--smoke"] if smoke else []

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jattn._src.core import checks
 from jattn._src.core.attend import default_scale
 from jattn._src.core.layout import Layout, parse_layout
-from jattn._src.core.modifiers import Modifiers
-from jattn._src.impl.block_sizes import BlockSizes
-from jattn._src.impl.dense import Dropout
+from jattn._src.masks.modifiers import Modifiers
+from jattn._src.core.block_sizes import BlockSizes
+from jattn._src.core.dropout import Dropout
 from jattn._src.masks.block_mask import check_block_mask
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
@@ -65,6 +65,7 @@ class Call:
   dropout_rate: float
   return_weights: bool
   return_residual: bool
+  return_max_logits: bool
   scale: float | jax.Array
   mask_mod: object
   score_mod: object
@@ -101,8 +102,9 @@ def make_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               q_segment_ids=None, kv_segment_ids=None, layout="BTNH", dropout_rate=0.0,
               dropout_rng=None, broadcast_dropout=False, return_weights=False,
-              block_sizes=None, return_residual=False, mask_mod=None, score_mod=None,
-              sinks=None, block_mask=None, interpret=False) -> Call:
+              block_sizes=None, return_residual=False, return_max_logits=False,
+              mask_mod=None, score_mod=None, sinks=None, block_mask=None,
+              interpret=False) -> Call:
   """Checks every argument of `dot_product_attention` (before any work) -> a `Call`."""
   query = checks.float_array("query", query)
   key = checks.float_array("key", key)
@@ -123,6 +125,7 @@ def make_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   check_dropout(dropout_rate, dropout_rng)
   for name, flag in (("is_causal", is_causal), ("return_weights", return_weights),
                      ("return_residual", return_residual),
+                     ("return_max_logits", return_max_logits),
                      ("broadcast_dropout", broadcast_dropout)):
     if not isinstance(flag, bool):
       raise TypeError(f"{name} must be a bool, got {flag!r}")
@@ -151,7 +154,8 @@ def make_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   return Call(query=query, key=key, value=value, modifiers=modifiers, dims=dims,
               dtype=query.dtype, layout=lay, is_causal=is_causal, window=window,
               dropout_rate=float(dropout_rate), return_weights=return_weights,
-              return_residual=return_residual, scale=scale, mask_mod=mask_mod,
+              return_residual=return_residual, return_max_logits=return_max_logits,
+              scale=scale, mask_mod=mask_mod,
               score_mod=score_mod,
               same_segment_ids=q_segment_ids is not None and q_segment_ids is kv_segment_ids,
               block_sizes=block_sizes, interpret=bool(interpret))

@@ -200,7 +200,8 @@ def per_platform(branches: dict, *args):
 
 
 def compute(call, choices: tuple[Choice, ...]):
-  """Runs the chosen implementations on the call's arrays -> (out, weights, lse)."""
+  """Runs the chosen implementations on the call's arrays -> (out, weights, lse, max_logits),
+  each of the last three None unless asked for."""
   mods = call.modifiers.mods
   # A user's function traced for this call (a jaxpr in the static part of the
   # modifiers) would never hit a jit cache (and fill it), so it runs inside the
@@ -209,7 +210,7 @@ def compute(call, choices: tuple[Choice, ...]):
   fn = _compute if mods is None or mods.is_cacheable else _compute.__wrapped__
   return fn(call.query, call.key, call.value, call.modifiers, layout=call.layout,
             choices=choices, return_weights=call.return_weights,
-            return_residual=call.return_residual)
+            return_residual=call.return_residual, return_max_logits=call.return_max_logits)
 
 
 def residual_in_layout(lse, layout, dtype) -> jax.Array:
@@ -219,9 +220,9 @@ def residual_in_layout(lse, layout, dtype) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "layout", "choices", "return_weights", "return_residual"))
+    "layout", "choices", "return_weights", "return_residual", "return_max_logits"))
 def _compute(query, key, value, modifiers, *, layout, choices, return_weights,
-             return_residual):
+             return_residual, return_max_logits):
   """Every platform's choice, under platform_dependent; the static choices are the
   jit's key, with the modifiers' flags (causal, window, dropout rate)."""
   if modifiers.mods is not None:
@@ -233,11 +234,14 @@ def _compute(query, key, value, modifiers, *, layout, choices, return_weights,
     implementation = IMPLEMENTATIONS[choice.implementation]
 
     def run(query, key, value, modifiers):
-      out, weights, lse = implementation.run(choice.plan, query, key, value, modifiers,
-                                             layout)
-      # Only what was asked for leaves the jit, so the rest is never computed.
+      out, weights, lse, max_logits = implementation.run(choice.plan, query, key, value,
+                                                         modifiers, layout)
+      # Only what was asked for leaves the jit, so the rest is never computed. The
+      # max logits keep the logits' float32 (QK-clip compares them with a threshold).
       return (out, weights if return_weights else None,
-              residual_in_layout(lse, layout, value.dtype) if return_residual else None)
+              residual_in_layout(lse, layout, value.dtype) if return_residual else None,
+              residual_in_layout(max_logits, layout, max_logits.dtype)
+              if return_max_logits else None)
     return run
 
   branches = {c.platform: (c.key, branch(c)) for c in choices}

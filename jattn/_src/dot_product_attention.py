@@ -5,9 +5,9 @@ from __future__ import annotations
 from jattn._src import dispatch
 from jattn._src.call import make_call
 from jattn._src.impl import interpret
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.impl.registry import NAMES
-from jattn._src.impl.ring import ring_from_context
+from jattn._src.parallel.ring import from_context
 
 
 def check_implementation(implementation, block_sizes) -> str | None:
@@ -19,7 +19,7 @@ def check_implementation(implementation, block_sizes) -> str | None:
     if not isinstance(block_sizes, BlockSizes):
       raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), "
                       f"got {block_sizes!r}")
-    if implementation not in (None, "blockwise", "ring"):
+    if implementation not in (None, "blockwise", "ring", "context_parallel"):
       raise ValueError(f"block_sizes applies to implementation='blockwise' only, "
                        f"got implementation={implementation!r}")
     return implementation or "blockwise"  # asking for block sizes is asking for blockwise
@@ -36,7 +36,7 @@ def dot_product_attention(
     implementation=None,
     dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
     return_weights=False, block_sizes=None, return_residual=False,
-    mask_mod=None, score_mod=None, sinks=None, block_mask=None):
+    return_max_logits=False, mask_mod=None, score_mod=None, sinks=None, block_mask=None):
   """Scaled dot-product attention over a batch of multi-head sequences.
 
   Takes the arrays of `jax.nn.dot_product_attention` and gives the same result:
@@ -73,7 +73,9 @@ def dot_product_attention(
       inside) -- the last five raise a ValueError naming the argument they
       cannot honour -- or
       "ring" (sequence-parallel over the
-      "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`).
+      "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`),
+      or "context_parallel" (the same mesh; ring, all-gather or Ulysses chosen
+      per call: `jattn.context_parallel_attention` with strategy=None).
     dropout_rate, dropout_rng: dropout on the attention weights, with inverted
       scaling; the same rng gives the same result.
     broadcast_dropout: one dropout draw [T, S] shared by every batch element
@@ -89,6 +91,19 @@ def dot_product_attention(
       key gets the finite -0.7 * float32 max, as jax.nn (float16: -inf). From
       every implementation; "vmap" computes it with the einsum logits. With
       sinks, the sink is a term of the sum.
+    return_max_logits: also return each query row's largest visible logit
+      (after scale, bias and score_mod; what Muon's QK-clip watches), shaped
+      like the residual ([B, T, N] for "BTNH"), float32 (float64 for float64
+      inputs), no gradient (stopped). A row that may attend to no key gets the
+      empty-row constant of its lse (the finite -0.7 * float32 max), so it
+      never wins a max over rows: `max_logits.max(axis=(0, 1))` is each head's
+      largest visible logit ([N], for "BTNH"). Sinks are no logit of a key and
+      do not count (with sinks an empty row keeps the constant, though its lse
+      is the sink's logit). From every implementation that runs on CPU and from
+      jattn's kernels ("flex_tpu", "flex_gpu", "flex_mgpu"), which return
+      their running row max; jax's kernels ("splash", "pallas", "cudnn") keep
+      theirs inside and refuse (None falls back to jattn's kernel); "ring"
+      refuses it (not wired yet).
     mask_mod: mask_mod(b, n, t, s) -> bool for one entry (True = may attend),
       with global positions; ANDed with every other mask. See `jattn.mods`.
     score_mod: score_mod(score, b, n, t, s) -> float, applied to each float32
@@ -102,8 +117,9 @@ def dot_product_attention(
   Order of operations: logits * scale + bias -> score_mod -> every mask ->
   softmax (with sinks) -> dropout -> weighted sum of values.
 
-  Returns out; (out, weights) with return_weights; (out, lse) with
-  return_residual; (out, weights, lse) with both.
+  Returns out, followed by what was asked, in this order: weights
+  (return_weights), lse (return_residual), max logits (return_max_logits);
+  e.g. (out, lse) with return_residual, (out, weights, lse) with both.
   A query that may attend to no key returns zeros, with finite gradients.
   Logits and softmax are computed in float32; the output has value's dtype.
 
@@ -123,26 +139,31 @@ def dot_product_attention(
     (2, 16, 4, 8)
   """
   implementation = check_implementation(implementation, block_sizes)
+  if implementation == "ring" and return_max_logits:
+    raise ValueError("return_max_logits: implementation='ring' does not return max "
+                     "logits yet (its steps combine out and lse only); use a "
+                     "single-device implementation")
   kwargs = dict(scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                 key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
                 kv_segment_ids=kv_segment_ids, layout=layout,
                 return_residual=return_residual, mask_mod=mask_mod, score_mod=score_mod,
                 sinks=sinks, block_mask=block_mask)
-  if implementation == "ring":
-    return ring_from_context(
-        query, key, value, bias, mask, local_window_size=local_window_size,
+  if implementation in ("ring", "context_parallel"):
+    return from_context(
+        implementation, query, key, value, bias, mask, local_window_size=local_window_size,
         dropout_rate=dropout_rate, return_weights=return_weights, block_sizes=block_sizes,
         broadcast_dropout=broadcast_dropout, **kwargs)
   call = make_call(query, key, value, bias, mask, local_window_size=local_window_size,
                    dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                    broadcast_dropout=broadcast_dropout, return_weights=return_weights,
-                   block_sizes=block_sizes, interpret=interpret.interpreting(), **kwargs)
+                   block_sizes=block_sizes, return_max_logits=return_max_logits,
+                   interpret=interpret.interpreting(), **kwargs)
   choices = dispatch.choose_all(call, implementation)
   dispatch.record(choices)
-  out, weights, lse = dispatch.compute(call, choices)
+  out, weights, lse, max_logits = dispatch.compute(call, choices)
   if not call.dims.has_batch:
-    out = out[0]
-    weights = None if weights is None else weights[0]
-    lse = None if lse is None else lse[0]
-  extras = (weights,) * return_weights + (lse,) * return_residual
+    out, weights, lse, max_logits = (None if x is None else x[0]
+                                     for x in (out, weights, lse, max_logits))
+  extras = ((weights,) * return_weights + (lse,) * return_residual
+            + (max_logits,) * return_max_logits)
   return (out, *extras) if extras else out

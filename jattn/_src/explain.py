@@ -11,9 +11,11 @@ from jattn._src.call import make_call
 from jattn._src.dot_product_attention import check_implementation, dot_product_attention
 from jattn._src.impl import interpret
 from jattn._src.impl.registry import PLATFORMS
+from jattn._src.parallel.context_parallel import context_parallel_plan
+from jattn._src.parallel.plan import ContextParallelPlan
 
 def explain(query, key, value, bias=None, mask=None, *, implementation=None,
-            block_sizes=None, **kwargs) -> Explanation:
+            block_sizes=None, mesh=None, **kwargs) -> Explanation | ContextParallelPlan:
   """What `dot_product_attention` with these arguments runs on each platform, and why.
 
   Takes the arguments of `jattn.dot_product_attention` (arrays or
@@ -24,9 +26,17 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
   Bad arguments raise what `dot_product_attention` raises; an implementation that
   cannot take the call is reported, not raised.
 
-  implementation="ring" (inside `jax.set_mesh`, as the call itself): for each
-  platform "ring" with what every ring step runs (`RingStep`: "flex_tpu" on TPU
-  where the kernel takes the step, else "blockwise") and the kernel's reason.
+  implementation="ring" or "context_parallel" (inside `jax.set_mesh`, as the call
+  itself): for each platform the strategy ("ring", or the one chosen) with what
+  every step runs (`RingStep`: "flex_tpu" on TPU where the kernel takes the step,
+  else "blockwise") and the kernel's reason.
+
+  mesh=mesh (with axis_name, strategy, batch_axis_name, head_axis_name,
+  load_balance as `context_parallel_attention` takes them): the sequence-parallel
+  plan instead, a `ContextParallelPlan` (`jattn.context_parallel_plan`): for each
+  strategy the non-empty blocks per device (max / mean), the ring's critical
+  path, the bytes each device sends and the memory it holds, or why it refused;
+  the chunk order of the load balance, and which strategy strategy=None chooses.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jattn
@@ -38,9 +48,13 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
     >>> report.reasons("tpu")["splash"]
     'score_mod Alibi is not mods.soft_cap with a Python-number cap'
   """
+  if mesh is not None:
+    return context_parallel_plan(query, key, value, bias, mask, mesh=mesh,
+                                 implementation=implementation, block_sizes=block_sizes,
+                                 **kwargs)
   implementation = check_implementation(implementation, block_sizes)
-  if implementation == "ring":
-    return _explain_ring(query, key, value, bias, mask, block_sizes, kwargs)
+  if implementation in ("ring", "context_parallel"):
+    return _explain_ring(implementation, query, key, value, bias, mask, block_sizes, kwargs)
   # Every array (or ShapeDtypeStruct) in the arguments becomes a tracer: shapes
   # and dtypes, no data. One object passed twice (q_segment_ids is
   # kv_segment_ids) stays one tracer, since the kernels' plans compare them.
@@ -63,13 +77,15 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
   return Explanation(choices)
 
 
-def _explain_ring(query, key, value, bias, mask, block_sizes, kwargs) -> Explanation:
-  """The report the ring call records, traced on shapes alone (nothing computed)."""
+def _explain_ring(implementation, query, key, value, bias, mask, block_sizes,
+                  kwargs) -> Explanation:
+  """The report the sequence-parallel call records, traced on shapes alone (nothing
+  computed): its strategy and each platform's step."""
   arrays = {name: x for name, x in kwargs.items() if _all_arrays(x)}
   static = {name: x for name, x in kwargs.items() if name not in arrays}
 
   def ring(query, key, value, bias, mask, arrays):
-    return dot_product_attention(query, key, value, bias, mask, implementation="ring",
+    return dot_product_attention(query, key, value, bias, mask, implementation=implementation,
                                  block_sizes=block_sizes, **static, **arrays)
 
   with dispatch.explain_calls() as reports:

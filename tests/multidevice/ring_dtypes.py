@@ -2,7 +2,7 @@
 on 8 simulated CPU devices, against the float64 NumPy reference (values and the
 plainly written gradient of tests/reference_grads.py).
 
-Run by tests/test_ring.py in a subprocess with
+Run by tests/multidevice/test_ring.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. Prints one "ok  " or "FAIL"
 line per case and exits non-zero on any failure. The low-precision rule is the
 suite's: error at most twice that of a naive computation in the input dtype.

@@ -9,7 +9,7 @@ checks, from `jattn.explain_calls()`, that the step is the kernel's (or, for a c
 the kernel refuses, the blockwise loop with the reason). Values only: nothing here
 says how fast it is on a TPU.
 
-Run by tests/test_ring_flex_tpu.py in a subprocess with
+Run by tests/multidevice/test_ring_flex_tpu.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
 case; exits non-zero on any failure. "quick" (the CI tier): the first.
 """

@@ -6,7 +6,7 @@ zig-zag and the contiguous order), in the rows (BTNH) and columns (BNHT)
 layouts: the output, the lse and the gradients against float64 NumPy
 (tests/reference_grads.py; the lse written out here).
 
-Run by tests/test_ring_mods.py in a subprocess with
+Run by tests/multidevice/test_ring_mods.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
 case; exits non-zero on any failure. "quick" (the CI tier): the first two.
 """

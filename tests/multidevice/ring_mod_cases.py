@@ -1,7 +1,7 @@
 """Ring attention with mask_mod, score_mod and sinks on 8 simulated CPU devices,
 against single-device "xla" (values and gradients, captured arrays and sinks included).
 
-Run by tests/test_ring_mods.py in a subprocess with
+Run by tests/multidevice/test_ring_mods.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 ("quick": two of the three
 cases, for the default tier). Exits non-zero on any mismatch.
 """

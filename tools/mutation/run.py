@@ -49,72 +49,72 @@ PYTEST = f"{PY} -m pytest -x -q -p no:cacheprovider"
 
 # file -> the tests that exercise it (fast, default tier, deterministic)
 TARGETS = {
-    "jattn/_src/masks/block_plan.py": "tests/test_edges.py tests/test_blockwise.py -k 'edges or offsets or skipped'",
-    "jattn/_src/core/softmax.py": "tests/test_single_head.py tests/test_edges.py "
-                         "tests/test_dtypes.py::test_float64_stays_float64 -k 'not script'",
-    "jattn/_src/core/attend.py": "tests/test_single_head.py tests/test_dtypes.py::test_float64_stays_float64 "
-                        "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
+    "jattn/_src/masks/block_plan.py": "tests/core/test_edges.py tests/kernels/test_blockwise.py -k 'edges or offsets or skipped'",
+    "jattn/_src/core/softmax.py": "tests/core/test_single_head.py tests/core/test_edges.py "
+                         "tests/core/test_dtypes.py::test_float64_stays_float64 -k 'not script'",
+    "jattn/_src/core/attend.py": "tests/core/test_single_head.py tests/core/test_dtypes.py::test_float64_stays_float64 "
+                        "tests/impl/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
                         "-k 'not script'",
-    "jattn/_src/nn/kv_cache.py": "tests/test_kv_cache_unit.py tests/test_decode.py",
+    "jattn/_src/nn/kv_cache.py": "tests/nn/test_kv_cache_unit.py tests/decode/test_decode.py",
     # the nnx module as a whole: its decoding paths (init_cache in both protocols,
     # set_view, the decode branch) and the rest of the module, linen's tests left out
     # (the edge tests written from the survivors first: they take seconds)
-    "jattn/nnx.py": "tests/test_nnx_edges.py tests/test_decode.py tests/test_dropin_flax.py "
-                    "tests/test_nnx.py tests/test_module_mods.py tests/test_module_explain.py "
+    "jattn/nnx.py": "tests/nn/test_nnx_edges.py tests/decode/test_decode.py tests/nn/test_dropin_flax.py "
+                    "tests/nn/test_nnx.py tests/nn/test_module_mods.py tests/nn/test_module_explain.py "
                     "-k 'not linen and not Linen'",
     # what both modules share: projections, input checks, batch axes, the attention step
-    "jattn/_src/nn/heads.py": "tests/test_nnx_edges.py tests/test_linen_edges.py tests/test_nnx.py "
-                              "tests/test_linen.py tests/test_dropin_flax.py tests/test_decode.py "
-                              "tests/test_flax_attention_fn.py -k 'not transformer and not gemma'",
-    "jattn/_src/nn/attend_step.py": "tests/test_nnx_edges.py tests/test_linen_edges.py "
-                                    "tests/test_nnx.py tests/test_linen.py tests/test_dropin_flax.py "
-                                    "tests/test_module_mods.py tests/test_decode.py "
+    "jattn/_src/nn/heads.py": "tests/nn/test_nnx_edges.py tests/nn/test_linen_edges.py tests/nn/test_nnx.py "
+                              "tests/nn/test_linen.py tests/nn/test_dropin_flax.py tests/decode/test_decode.py "
+                              "tests/nn/test_flax_attention_fn.py -k 'not transformer and not gemma'",
+    "jattn/_src/nn/attend_step.py": "tests/nn/test_nnx_edges.py tests/nn/test_linen_edges.py "
+                                    "tests/nn/test_nnx.py tests/nn/test_linen.py tests/nn/test_dropin_flax.py "
+                                    "tests/nn/test_module_mods.py tests/decode/test_decode.py "
                                     "-k 'not transformer and not gemma'",
     # the linen module likewise, thorough twins of its decoding tests included (-m '')
-    "jattn/linen.py": "tests/test_linen_edges.py tests/test_linen.py tests/test_decode.py "
-                      "tests/test_dropin_flax.py tests/test_module_mods.py "
-                      "tests/test_module_explain.py tests/test_flax_attention_fn.py -m '' "
+    "jattn/linen.py": "tests/nn/test_linen_edges.py tests/nn/test_linen.py tests/decode/test_decode.py "
+                      "tests/nn/test_dropin_flax.py tests/nn/test_module_mods.py "
+                      "tests/nn/test_module_explain.py tests/nn/test_flax_attention_fn.py -m '' "
                       "-k 'linen or Linen or batch_axes or lengths_reach or complex "
                       "or precision_reaches or use_sinks_adds or equals_the_function'",
-    "jattn/_src/impl/dense.py": "tests/test_dot_product_attention.py tests/test_dtypes.py -k 'dropout or reference or masked or twice'",
-    "jattn/rope.py": "tests/test_rope.py tests/test_transformer_reference.py -k 'rope or Rope'",
-    "jattn/_src/masks/structural.py": "tests/test_masks.py tests/test_edges.py",
-    "jattn/_src/impl/xla.py": "tests/test_dot_product_attention.py tests/test_mods.py::test_everything_at_once_in_order "
-                     "tests/test_mods.py::test_return_weights_with_mods tests/test_dropin_jax.py "
-                     "tests/test_dtypes.py -k 'xla or reference'",
-    "jattn/_src/core/attention.py": "tests/test_single_head.py tests/test_mods.py::test_layouts "
-                           "tests/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
+    "jattn/_src/impl/dense.py": "tests/impl/test_dot_product_attention.py tests/core/test_dtypes.py -k 'dropout or reference or masked or twice'",
+    "jattn/rope.py": "tests/core/test_rope.py tests/nn/test_transformer_reference.py -k 'rope or Rope'",
+    "jattn/_src/masks/structural.py": "tests/masks/test_masks.py tests/core/test_edges.py",
+    "jattn/_src/impl/xla.py": "tests/impl/test_dot_product_attention.py tests/masks/test_mods.py::test_everything_at_once_in_order "
+                     "tests/masks/test_mods.py::test_return_weights_with_mods tests/impl/test_dropin_jax.py "
+                     "tests/core/test_dtypes.py -k 'xla or reference'",
+    "jattn/_src/core/attention.py": "tests/core/test_single_head.py tests/masks/test_mods.py::test_layouts "
+                           "tests/impl/test_dot_product_attention.py::test_dropout_drops_weights_with_inverted_scaling "
                            "-k 'not script'",
-    "jattn/transformer.py": "tests/test_decode.py::test_transformer_decoding_equals_full_pass_and_layouts_agree "
-                            "tests/test_decode.py::test_transformer_row_that_skips_a_call_keeps_its_previous_token "
-                            "tests/test_transformer_reference.py -m ''",  # -m '': thorough ones too
+    "jattn/transformer.py": "tests/decode/test_decode.py::test_transformer_decoding_equals_full_pass_and_layouts_agree "
+                            "tests/decode/test_decode.py::test_transformer_row_that_skips_a_call_keeps_its_previous_token "
+                            "tests/nn/test_transformer_reference.py -m ''",  # -m '': thorough ones too
     # float64 references at block edges first (they kill most mutants, and soonest)
-    "jattn/_src/impl/blockwise_loop.py": "tests/test_edges.py tests/test_blockwise.py tests/test_mods.py "
-                           "tests/test_mod_grads.py tests/test_block_mask.py "
-                           "tests/test_closed_form_blocks.py tests/test_dtypes.py "
+    "jattn/_src/kernels/blockwise_loop.py": "tests/core/test_edges.py tests/kernels/test_blockwise.py tests/masks/test_mods.py "
+                           "tests/masks/test_mod_grads.py tests/masks/test_block_mask.py "
+                           "tests/masks/test_closed_form_blocks.py tests/core/test_dtypes.py "
                            "-k '(blockwise or block_mask or closed_form) and not memory and not random_shapes and not default "
                            "and not errors and not refused and not cudnn and not honoured "
                            "and not is_an_error'",
-    "jattn/_src/masks/closed_form_blocks.py": "tests/test_closed_form_blocks.py tests/test_block_mask.py "
-                                    "tests/test_mods.py -k 'closed_form or skipped or "
+    "jattn/_src/masks/closed_form_blocks.py": "tests/masks/test_closed_form_blocks.py tests/masks/test_block_mask.py "
+                                    "tests/masks/test_mods.py -k 'closed_form or skipped or "
                                     "(blockwise and mask_mods)'",
-    "jattn/_src/masks/block_mask.py": "tests/test_block_mask.py tests/test_closed_form_blocks.py "
-                            "tests/test_mods.py -k 'not vmap and not xla'",
-    "jattn/_src/impl/ring_loop.py": "tests/test_ring.py tests/test_ring_mods.py",
+    "jattn/_src/masks/block_mask.py": "tests/masks/test_block_mask.py tests/masks/test_closed_form_blocks.py "
+                            "tests/masks/test_mods.py -k 'not vmap and not xla'",
+    "jattn/_src/parallel/ring_loop.py": "tests/multidevice/test_ring.py tests/multidevice/test_ring_mods.py",
     # fourth round (issue 21 item 8)
-    "jattn/mods.py": "tests/test_mods_entries.py tests/test_mods.py::test_mask_mods_match_reference "
-                     "tests/test_mods.py::test_score_mods_match_reference -k 'not blockwise and not vmap'",
-    "jattn/_src/masks/programmable.py": "tests/test_programmable.py tests/test_mods.py tests/test_mod_grads.py "
-                                        "tests/test_residual_with_mods.py tests/test_mods_jit_cache.py "
-                                        "tests/test_block_mask.py::test_mask_mod_is_not_called_on_full_blocks "
+    "jattn/mods.py": "tests/masks/test_mods_entries.py tests/masks/test_mods.py::test_mask_mods_match_reference "
+                     "tests/masks/test_mods.py::test_score_mods_match_reference -k 'not blockwise and not vmap'",
+    "jattn/_src/masks/programmable.py": "tests/masks/test_programmable.py tests/masks/test_mods.py tests/masks/test_mod_grads.py "
+                                        "tests/impl/test_residual_with_mods.py tests/masks/test_mods_jit_cache.py "
+                                        "tests/masks/test_block_mask.py::test_mask_mod_is_not_called_on_full_blocks "
                                         "-k 'not dropout and not bfloat16 and not cudnn and not flax_module "
                                         "and not attention_fn and not vmap'",
-    "jattn/_src/impl/splash_mask.py": "tests/test_splash_mask.py",
-    "jattn/_src/impl/kernel_plans.py": "tests/test_kernel_plans.py",
+    "jattn/_src/impl/splash_mask.py": "tests/masks/test_splash_mask.py",
+    "jattn/_src/impl/kernel_plans.py": "tests/kernels/test_kernel_plans.py",
     # in-process checks and one-device values first, then the 8-device quick sets
-    "jattn/_src/impl/ring.py": "tests/test_ring_checks.py tests/test_ring.py tests/test_ring_mods.py "
+    "jattn/_src/parallel/ring.py": "tests/multidevice/test_ring_checks.py tests/multidevice/test_ring.py tests/multidevice/test_ring_mods.py "
                                "-m 'not (thorough and slow)' -k 'not every_dtype'",
-    "jattn/_src/dispatch.py": "tests/test_dispatch.py tests/test_lowering.py tests/test_mods_jit_cache.py "
+    "jattn/_src/dispatch.py": "tests/impl/test_dispatch.py tests/impl/test_lowering.py tests/masks/test_mods_jit_cache.py "
                               "-k 'not export_carries'",
 }
 

@@ -3,7 +3,8 @@
 The forward saves only the output and the log-sum-exp [B, N, T]; the
 backward recomputes each block's weights from them (`_blockwise.backward`),
 so memory stays linear in T and S in both passes. The log-sum-exp is also
-returned (jax.nn's `return_residual`), without a gradient, as jax.nn's.
+returned (jax.nn's `return_residual`), without a gradient, as jax.nn's, and so is
+the online softmax's running row max (`return_max_logits`), without a gradient.
 """
 
 from __future__ import annotations
@@ -13,20 +14,22 @@ import functools
 
 import jax
 
-from jattn._src.impl import blockwise_loop as _blockwise
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.kernels import blockwise_loop as _blockwise
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
 
 def blockwise_attention(query, key, value, modifiers: Modifiers, layout: Layout, *,
                         block_sizes: BlockSizes):
-  """Arguments as `_xla.xla_attention`; returns (out, None, lse): no weights are formed.
+  """Arguments as `_xla.xla_attention`; returns (out, None, lse, max_logits): no weights
+  are formed.
 
   block_sizes: the plan's (`registry.BlockwisePlan`: the user's, else the platform's)."""
-  out, lse = _attention(_Static(layout, block_sizes), query, key, value, modifiers)
-  return out, None, lse
+  out, lse, max_logits = _attention(_Static(layout, block_sizes), query, key, value,
+                                    modifiers)
+  return out, None, lse, max_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,20 +42,21 @@ class _Static:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, query, key, value, modifiers):
-  """-> (out, lse float32 [B, N, T])."""
+  """-> (out, lse float32 [B, N, T], max logits float32 [B, N, T])."""
   return _forward(static, query, key, value, modifiers)[0]
 
 
 def _forward(static, query, key, value, modifiers):
-  out, lse = _blockwise.forward(query, key, value, modifiers, static.layout, 0, 0,
-                                static.block_sizes)
-  if modifiers.sinks is not None:
+  out, lse, max_logits = _blockwise.forward_with_max(
+      query, key, value, modifiers, static.layout, 0, 0, static.block_sizes)
+  if modifiers.sinks is not None:  # into out and lse; a sink is no key's logit
     out, lse = add_sinks(out, lse, modifiers.sinks, static.layout.out)
-  return (out, lse), (query, key, value, modifiers, out, lse)
+  return (out, lse, max_logits), (query, key, value, modifiers, out, lse)
 
 
 def _backward(static, residuals, cotangents):
-  d_out, _ = cotangents  # the lse carries no gradient (jax.nn stops it too)
+  # the lse and max logits carry no gradient (jax.nn stops the lse too)
+  d_out = cotangents[0]
   query, key, value, modifiers, out, lse = residuals
   d_query, d_key, d_value, d_bias, d_consts = _blockwise.backward_with_score_grads(
       query, key, value, modifiers, static.layout, 0, 0, static.block_sizes, out, lse, d_out)

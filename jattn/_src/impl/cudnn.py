@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jattn._src import compat
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 
 _DTYPES = (jnp.float16, jnp.bfloat16)
 
@@ -89,6 +89,9 @@ def plan(call, platform: str):
   if given:
     return (f"it cannot honour {', '.join(given)}: jax.nn's cuDNN kernel takes no mask or "
             f"score function and no sinks; use 'blockwise' or 'xla'")
+  if call.return_max_logits:
+    return ("return_max_logits: jax.nn's cuDNN call returns no max logits (its running "
+            "max stays inside the kernel); flex_gpu returns them")
   reason = cudnn_unsupported(
       dtype=call.dtype, H=call.dims.H, D=call.dims.D, dropout_rate=call.dropout_rate,
       has_segments=call.structure.q_segment_ids is not None,
@@ -100,7 +103,7 @@ def plan(call, platform: str):
 
 
 def run(plan: CudnnPlan, query, key, value, modifiers: Modifiers, layout: Layout):
-  """Arguments as `_xla.xla_attention`; returns (out, None, lse [B, N, T] or None).
+  """Arguments as `_xla.xla_attention`; returns (out, None, lse [B, N, T] or None, None).
 
   The lse is asked of cuDNN only when wanted (return_residual); dropout and
   mods were refused by `plan`."""
@@ -126,4 +129,4 @@ def run(plan: CudnnPlan, query, key, value, modifiers: Modifiers, layout: Layout
       return_residual=plan.return_residual)
   out, lse = out if plan.return_residual else (out, None)  # lse [B, T, N]
   lse = None if lse is None else jnp.einsum("BTN->BNT", lse)
-  return jnp.einsum(f"BTND->{layout.out}", out), None, lse
+  return jnp.einsum(f"BTND->{layout.out}", out), None, lse, None

@@ -6,40 +6,8 @@ block by block instead.
 
 from __future__ import annotations
 
-import dataclasses
-
-import jax
-import jax.numpy as jnp
-
 from jattn._src.masks.structural import combine_masks
 from jattn._src.masks.programmable import dense_mask
-
-
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class Dropout:
-  """Dropout on the attention weights: keep each with probability 1 - rate.
-
-  A pytree: rng is its leaf, rate and broadcast static."""
-
-  rate: float
-  rng: jax.Array
-  broadcast: bool = False  # one draw for all batch elements and heads, as flax's default
-
-  def tree_flatten(self):
-    return (self.rng,), (self.rate, self.broadcast)
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    return cls(aux[0], children[0], aux[1])
-
-  def multipliers(self, shape) -> jax.Array:
-    """float32 0 or 1 / (1 - rate), so that the expectation of each weight is kept.
-
-    shape is [B, N, ...]; with broadcast the draw is [1, 1, ...], broadcast to it."""
-    drawn = (1, 1) + tuple(shape[2:]) if self.broadcast else shape
-    kept = jnp.broadcast_to(jax.random.bernoulli(self.rng, 1.0 - self.rate, drawn), shape)
-    return jnp.where(kept, jnp.float32(1.0 / (1.0 - self.rate)), jnp.float32(0.0))
 
 
 def dense_mask_and_keep(modifiers, B, N, T, S):

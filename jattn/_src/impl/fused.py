@@ -11,7 +11,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jattn._src import compat
 from jattn._src.impl.kernel_plans import PallasPlan, SplashPlan, find_document, pallas_blocks
@@ -116,7 +115,7 @@ def pallas_attention(q, k, v, *, ids, plan: PallasPlan):
 
 
 # ---- adapters to the implementation signature
-# run(plan, query, key, value, modifiers, layout) -> (out, None, None); the plan
+# run(plan, query, key, value, modifiers, layout) -> (out, None, None, None); the plan
 # says what the kernel takes, and the plan refused every other modifier.
 
 
@@ -136,7 +135,7 @@ def splash_implementation(plan: SplashPlan, query, key, value, modifiers, layout
   out = splash_attention(q, k, v, q_ids=q_ids, kv_ids=kv_ids, q_lengths=structure.q_lengths,
                          kv_lengths=structure.kv_lengths, sinks=modifiers.sinks,
                          scale=modifiers.scale, plan=plan)
-  return jnp.einsum(f"BNTD->{layout.out}", out).astype(value.dtype), None, None
+  return jnp.einsum(f"BNTD->{layout.out}", out).astype(value.dtype), None, None, None
 
 
 def pallas_implementation(plan: PallasPlan, query, key, value, modifiers, layout):
@@ -146,4 +145,4 @@ def pallas_implementation(plan: PallasPlan, query, key, value, modifiers, layout
     q = (q.astype(jnp.float32) * modifiers.scale).astype(q.dtype)
   ids = _segment_ids(plan, modifiers)[0] if plan.segments else None
   out = pallas_attention(q, k, v, ids=ids, plan=plan)
-  return jnp.einsum(f"BTND->{layout.out}", out).astype(value.dtype), None, None
+  return jnp.einsum(f"BTND->{layout.out}", out).astype(value.dtype), None, None, None

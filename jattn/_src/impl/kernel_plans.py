@@ -5,7 +5,7 @@ the user's raw mods) before any work and return a plan when the kernel
 computes exactly this call, else the reason in words. The ready-made `jattn.mods` objects
 are recognised with `isinstance`; anything else (a hand-written mod, a
 score_mod other than soft_cap with a Python-number cap, bias, a dense mask,
-dropout, return_weights) gets a reason, so implementation=None falls back and
+dropout, return_weights, return_max_logits) gets a reason, so implementation=None falls back and
 an explicit implementation raises it: never a wrong answer.
 """
 
@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from jattn import mods as M
+from jattn._src.masks import mods as M
 from jattn._src import compat
 
 # splash's kernels tile T and S by blocks of a multiple of 128 (TPU lanes).
@@ -125,6 +125,9 @@ def _common(call):
     raise _Cannot("it does not form the weights (return_weights=True)")
   if call.return_residual:
     raise _Cannot("its lse output is not differentiable, so return_residual=True is refused")
+  if call.return_max_logits:
+    raise _Cannot("return_max_logits: jax's kernel returns no max logits (its running max "
+                  "stays inside the kernel); jattn's flex kernels return them")
   if call.has_block_mask and call.mask_mod is None:
     raise _Cannot("a block_mask without its mask_mod cannot be lowered (pass mask_mod too)")
 

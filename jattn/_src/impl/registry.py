@@ -4,7 +4,8 @@ An `Implementation` answers one question before any work, `plan(call,
 platform)`: either a static, hashable plan (what it will compute: block sizes,
 a kernel's mask expression, ...) or a reason in words why it cannot take the
 call. `run(plan, query, key, value, modifiers, layout)` then computes it and
-returns (out, weights or None, lse float32 [B, N, T] or None).
+returns (out, weights or None, lse float32 [B, N, T] or None, max logits float32
+[B, N, T] or None).
 
 `implementation=None` walks `preference(call, platform)` and takes the first
 implementation that plans (`jattn/_src/dispatch.py`), once per platform the
@@ -18,11 +19,12 @@ import dataclasses
 from typing import Callable
 
 from jattn._src.impl import cudnn, fused, kernel_plans
-from jattn._src.impl.block_sizes import BlockSizes, default_block_sizes
+from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.blockwise import blockwise_attention
 from jattn._src.impl.vmap import vmapped_attention
 from jattn._src.impl.xla import xla_attention
-from jattn._src.kernels import flex_gpu, flex_mgpu, flex_tpu
+from jattn._src.kernels import (flex_gpu, flex_gpu_call, flex_mgpu, flex_mgpu_call, flex_tpu,
+                                flex_tpu_call)
 
 # The platforms a program is lowered for, as jax.lax.platform_dependent names
 # them. "rocm" stands for every accelerator without a kernel of its own here.
@@ -51,7 +53,8 @@ class Implementation:
   platforms: where it runs ("cpu", "tpu", "cuda", "rocm"); None = everywhere.
   interpretable: a Pallas kernel that runs anywhere inside `pallas_interpret()`.
   plan(call, platform) -> a hashable plan, or a str: the reason it cannot.
-  run(plan, query, key, value, modifiers, layout) -> (out, weights | None, lse | None).
+  run(plan, query, key, value, modifiers, layout) -> (out, weights | None, lse | None,
+    max_logits | None).
   """
 
   name: str
@@ -103,6 +106,7 @@ def _flex_plan(kernel):
     modifiers = call.modifiers.replace(scale=float(call.scale))
     return kernel.plan(B=d.B, T=d.T, S=d.S, N=d.N, K=d.K, H=d.H, D=d.D, dtype=call.dtype,
                        modifiers=modifiers, return_weights=call.return_weights,
+                       return_max_logits=call.return_max_logits,
                        block_q=None if block is None else block.q,
                        block_kv=None if block is None else block.kv,
                        interpret=call.interpret)
@@ -126,16 +130,16 @@ IMPLEMENTATIONS = {
         "pallas", kernel_plans.pallas_plan, fused.pallas_implementation,
         platforms=("cuda",), interpretable=True),
     "flex_tpu": Implementation(  # jattn's own TPU kernel: any mask_mod / score_mod
-        "flex_tpu", _flex_plan(flex_tpu), flex_tpu.run, platforms=("tpu",), interpretable=True),
+        "flex_tpu", _flex_plan(flex_tpu), flex_tpu_call.run, platforms=("tpu",), interpretable=True),
     "flex_gpu": Implementation(  # jattn's own GPU kernel (Triton): any mask_mod / score_mod
-        "flex_gpu", _flex_plan(flex_gpu), flex_gpu.run, platforms=("cuda",), interpretable=True),
+        "flex_gpu", _flex_plan(flex_gpu), flex_gpu_call.run, platforms=("cuda",), interpretable=True),
     "flex_mgpu": Implementation(  # jattn's own GPU kernel on Mosaic GPU (Hopper): the same mods
-        "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu.run, platforms=("cuda",),
+        "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu_call.run, platforms=("cuda",),
         interpretable=True),
 }
-# "ring" is no entry: it is a shard_map over a mesh around the blockwise loop
-# (jattn/_src/impl/ring.py), chosen only by name.
-NAMES = tuple(IMPLEMENTATIONS) + ("ring",)
+# "ring" and "context_parallel" are no entries: each is a shard_map over the context mesh
+# around the blockwise loop (jattn/_src/parallel/ring.py), chosen only by name.
+NAMES = tuple(IMPLEMENTATIONS) + ("ring", "context_parallel")
 
 
 def preference(call, platform: str) -> tuple[str, ...]:

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 from jattn._src.core.attention import attention_with_weights
 from jattn._src.impl.dense import dense_mask_and_keep
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
-from jattn._src.impl.xla import grouped_logical, split_heads, xla_attention
+from jattn._src.masks.modifiers import Modifiers
+from jattn._src.core.heads import grouped_logical, split_heads
+from jattn._src.impl.xla import xla_attention
 
 
 def _full(x, shape):
@@ -26,11 +27,12 @@ def _full(x, shape):
 def vmapped_attention(query, key, value, modifiers: Modifiers, layout: Layout):
   """Batched multi-head attention from single-head attention and jax.vmap.
 
-  Arguments and results as `_xla.xla_attention`. The lse is the einsum
-  formulation's (one head has no use for it); under jit it is computed only
-  when used.
+  Arguments and results as `_xla.xla_attention`. The lse and max logits are the
+  einsum formulation's (one head has no use for them); under jit they are
+  computed only when used.
   """
-  lse = xla_attention(query, key, value, modifiers.replace(dropout=None), layout)[2]
+  _, _, lse, max_logits = xla_attention(query, key, value,
+                                        modifiers.replace(dropout=None), layout)
   K = key.shape[layout.axis("K")]
   N = query.shape[layout.axis("N")]
   B = query.shape[layout.axis("B")]
@@ -77,4 +79,4 @@ def vmapped_attention(query, key, value, modifiers: Modifiers, layout: Layout):
     weights = jnp.swapaxes(weights, -1, -2)
   n = layout.axis("N")
   out = out.reshape(out.shape[:n] + (N,) + out.shape[n + 2:])
-  return out, weights.reshape((B, N, T, S)), lse
+  return out, weights.reshape((B, N, T, S)), lse, max_logits

@@ -10,35 +10,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn._src.core.heads import grouped_logical, split_heads
 from jattn._src.impl.dense import dense_mask_and_keep
 from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import apply_score, sinks_like
 from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype, masked_softmax, scored_mask
 
 _LOGICAL = "BKGTS"  # mask, bias and weights: logical order, N split
 
 
-def split_heads(x: jax.Array, axis: int, num_kv_heads: int) -> jax.Array:
-  """Reshapes the heads axis N into (K, G) in place."""
-  N = x.shape[axis]
-  return x.reshape(x.shape[:axis] + (num_kv_heads, N // num_kv_heads) + x.shape[axis + 1:])
-
-
-def grouped_logical(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
-  """[B|1, N|1, T, S] -> [B|1, K|1, G|1, T, S], to broadcast against the logits."""
-  if x is None:
-    return None
-  if x.shape[1] == 1:
-    return x[:, :, None]
-  return split_heads(x, 1, num_kv_heads)
-
-
 def xla_attention(query, key, value, modifiers: Modifiers, layout: Layout):
   """Batched multi-head attention; the modifiers' bias and mask in logical [B|1, N|1, T, S].
 
   Returns (out in the layout with D for H, weights [B, N, T, S], lse float32
-  [B, N, T]); under jit an unused lse or weights costs nothing.
+  [B, N, T], max_logits float32 [B, N, T]); under jit an unused output costs nothing.
   """
   B, N, T = (query.shape[layout.axis(c)] for c in "BNT")
   S, K = (key.shape[layout.axis(c)] for c in "SK")
@@ -70,13 +56,23 @@ def xla_attention(query, key, value, modifiers: Modifiers, layout: Layout):
   if sinks is not None:  # the sink is a term of every row's denominator
     lse = jnp.logaddexp(lse, modifiers.sinks.astype(dtype).reshape(1, K, N // K, 1))
   lse = lse.reshape((B, N, T))
+  max_logits = _row_max(logits, mask, logits_sub).reshape((B, N, T))  # no sink: no key
   used = weights if keep is None else weights * to_logits(keep).astype(dtype)
   out = jnp.einsum(f"{logits_sub},{layout.value}->{out_sub}", used.astype(value.dtype),
                    value, preferred_element_type=dtype)
   out = out.reshape(out.shape[:layout.axis("N")] + (N,) + out.shape[layout.axis("N") + 2:])
   # weights [B, K, G, T, S] -> [B, N, T, S]
   weights = jnp.transpose(weights, [logits_sub.index(c) for c in _LOGICAL])
-  return out.astype(value.dtype), weights.reshape((B, N, T, S)), lse
+  return out.astype(value.dtype), weights.reshape((B, N, T, S)), lse, max_logits
+
+
+def _row_max(logits, mask, logits_sub: str) -> jax.Array:
+  """[B, K, G, T]: the largest visible logit of each row; LARGE_NEGATIVE for a row
+  with no visible key, as its lse without sinks."""
+  if mask is not None:
+    logits = jnp.where(mask, logits, LARGE_NEGATIVE)
+  # a row of score_mod's -inf alone is masked by scored_mask: it gets the constant too
+  return jnp.einsum(f"{logits_sub[:-1]}->BKGT", logits.max(axis=-1))
 
 
 def _row_lse(logits, mask, logits_sub: str) -> jax.Array:

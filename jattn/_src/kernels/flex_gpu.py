@@ -2,9 +2,10 @@
 lowering: Ampere and Hopper), with the user's mask_mod and score_mod evaluated
 inside the kernel on each tile, as "flex_tpu" does on TPUs.
 
-`plan(...)` looks only at static facts of a call and returns a hashable `Plan`,
-or a reason in words for what the kernel cannot take. `run(plan, ...)` has the
-contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T]).
+`plan(...)` looks only at static facts of a call and returns a hashable `Plan`, or a
+reason in words for what the kernel cannot take. `flex_gpu_call.run(plan, ...)` has the
+contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T], max logits
+float32 [B, N, T] or None: each row's running max, written when the plan asks).
 
 Grid (B, N, T / block_q): each program holds one query tile of head n and loops
 (in the kernel) over the kv tiles of kv head n // G that are not EMPTY, in
@@ -40,10 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import compat
-from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
-from jattn._src.kernels import kernel_plan, kernel_vjp
-from jattn._src.kernels.kernel_vjp import batched, without_batch
+from jattn._src.masks.modifiers import Modifiers
+from jattn._src.kernels import kernel_plan
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # Tiles and launch parameters. NOT MEASURED on a GPU (none was available): 64 x 64
@@ -84,6 +83,8 @@ class Plan(kernel_plan.TilePlan):
   # const index of each read of a float table at positions, in evaluation order: the
   # dq kernel returns one gradient row per read and query tile (`table_grads`)
   table_reads: tuple = ()
+  # the forward also writes each row's running max m (return_max_logits)
+  max_logits: bool = False
 
   @property
   def reads_padded(self) -> int:  # the dq kernel's vector of read gradients
@@ -115,6 +116,7 @@ def _tile(length: int, asked: int | None) -> int:
 
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
          modifiers: Modifiers, return_weights: bool = False,
+         return_max_logits: bool = False,
          block_q: int | None = None, block_kv: int | None = None,
          interpret: bool = False) -> Plan | str:
   """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
@@ -123,6 +125,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   ShapeDtypeStructs: only shapes, dtypes and the mods' jaxprs are read).
   block_q, block_kv: a block_mask's tiles, taken when they are powers of two >= 16.
   interpret: run the Pallas kernels in interpret mode (any backend, for tests).
+  return_max_logits: the forward also returns each row's largest visible logit.
   """
   m = modifiers
   reason = compat.missing("pallas_triton") or kernel_plan.common_refusal(
@@ -150,7 +153,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
               q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
               segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
               score_reads=facts.score_reads, score_tables=facts.score_tables,
-              table_reads=facts.table_reads)
+              table_reads=facts.table_reads,
+              max_logits=bool(return_max_logits))
   return dataclasses.replace(plan, **(_LAUNCH.get() or {}))
 
 
@@ -171,21 +175,3 @@ def launch_parameters(*, block_q: int, block_kv: int, num_warps: int, num_stages
     yield
   finally:
     _LAUNCH.reset(token)
-
-
-def _kernels():
-  """The Pallas Triton kernels' module, imported on first use (the plan checked its API)."""
-  from jattn._src.kernels import flex_gpu_kernels
-  return flex_gpu_kernels
-
-
-def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T])."""
-  out, lse = _kernels().forward(p, layout, query, key, value, modifiers)
-  out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
-  return without_batch(out, layout), lse[:, :, :p.T]
-
-
-# -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
-# jattn's kernel VJP (sinks after the forward)
-run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))

@@ -242,7 +242,8 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, p: Plan, name: str):
 
 
 def forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """-> (out [B, N, Tp, Dp] in the value's dtype, lse float32 [B, N, Tp]); no sinks."""
+  """-> (out [B, N, Tp, Dp] in the value's dtype, lse float32 [B, N, Tp], max logits
+  float32 [B, N, Tp] when `p.max_logits`, else None); no sinks."""
   q, k, v = _to_tiles(p, layout, query, key, value)
   tm, extras = _extras(p, modifiers, modifiers.mods)
   G = p.N // p.K
@@ -252,17 +253,21 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
       pl.BlockSpec((None, None, p.S_padded, p.H_padded), lambda b, n, i: (b, n // G, 0, 0)),
       pl.BlockSpec((None, None, p.S_padded, p.D_padded), lambda b, n, i: (b, n // G, 0, 0)),
   ] + [_whole(x) for x in extras]
+  row_stats = 2 if p.max_logits else 1  # lse, and the running max m when asked
   out_specs = [pl.BlockSpec((None, None, bq, p.D_padded), lambda b, n, i: (b, n, i, 0)),
-               pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))]
+               *[pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))] * row_stats]
   out_shape = [jax.ShapeDtypeStruct((p.B, p.N, p.T_padded, p.D_padded), value.dtype),
-               jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)]
-  return _call(functools.partial(_forward_kernel, p=p, tm=tm), (p.B, p.N, p.T_padded // bq),
-               in_specs, out_specs, out_shape, p, "jattn_flex_gpu_fwd")(q, k, v, *extras)
+               *[jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)] * row_stats]
+  out, lse, *max_logits = _call(
+      functools.partial(_forward_kernel, p=p, tm=tm), (p.B, p.N, p.T_padded // bq), in_specs,
+      out_specs, out_shape, p, "jattn_flex_gpu_fwd")(q, k, v, *extras)
+  return out, lse, max_logits[0] if max_logits else None
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
-  r = _Reads(p, tm, refs[:-2])
-  o_ref, lse_ref = refs[-2:]
+  outputs = 3 if p.max_logits else 2
+  r = _Reads(p, tm, refs[:-outputs])
+  o_ref, lse_ref, *max_ref = refs[-outputs:]
   b, n, i = (pl.program_id(a) for a in range(3))
   bq, bk = p.block_q, p.block_kv
   q = q_ref[...]
@@ -289,6 +294,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
   safe_l = jnp.where(seen, l, 1.0)
   o_ref[...] = (acc * jnp.where(seen, 1.0 / safe_l, 0.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(seen, m + jnp.log(safe_l), LARGE_NEGATIVE)
+  if max_ref:  # masked logits are LARGE_NEGATIVE: a row with none keeps it
+    max_ref[0][...] = m
 
 
 # ---------------------------------------------------------------- backward

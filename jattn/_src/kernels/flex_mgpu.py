@@ -4,8 +4,9 @@ inside the kernel on each tile, as "flex_gpu" does on Pallas's Triton backend (w
 jax deprecates from 0.11).
 
 `plan(...)` looks only at static facts of a call and returns a hashable `Plan`, or a
-reason in words for what the kernel cannot take. `run(plan, ...)` has the contract of
-`blockwise_attention`: -> (out, None, lse float32 [B, N, T]).
+reason in words for what the kernel cannot take. `flex_mgpu_call.run(plan, ...)` has the
+contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T], max logits
+float32 [B, N, T] or None: each row's running max, written when the plan asks).
 
 The same design as "flex_gpu" (its docstring): grid (T / 64, N, B), a program per
 64-row query tile, looping over the 64-column kv tiles of kv head n // G that are not
@@ -30,10 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import compat
-from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
-from jattn._src.kernels import kernel_plan, kernel_vjp
-from jattn._src.kernels.kernel_vjp import batched, without_batch
+from jattn._src.masks.modifiers import Modifiers
+from jattn._src.kernels import kernel_plan
 
 # wgmma takes 16-bit operands here (float32 would be TF32 on the tensor cores)
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -61,6 +60,7 @@ class Plan(kernel_plan.TilePlan):
   score_reads: tuple = ()  # score_mod's float reads: gradients by the blockwise backward
   score_tables: tuple = ()  # always () (refused: Mosaic GPU has no gather)
   offsets: bool = False  # global positions from a ring step's offsets: not wired
+  max_logits: bool = False  # the forward also writes each row's running max m
 
   @property
   def H_padded(self) -> int:  # E: both heads, so the output tile reuses the query's SMEM
@@ -78,7 +78,7 @@ def smem_bytes(E: int, itemsize: int, sizes=(0, 0, 0, 0)) -> int:
   sq = _TILE * _TILE * itemsize  # one [64, 64] probability tile
   ints, floats, q_rows, kv_rows = sizes
   side = 4 * (ints + floats + 64 + _TILE * 2 * (q_rows + kv_rows))  # table row, rows x 3
-  forward = t + 4 * t + sq + 4 * _TILE
+  forward = t + 4 * t + sq + 8 * _TILE  # lse and max logits rows
   dq = 2 * t + 4 * t + sq + 8 * _TILE
   dkv = 2 * t + 4 * t + 2 * sq + 16 * _TILE
   return max(forward, dq, dkv) + side + 1024  # barriers
@@ -86,6 +86,7 @@ def smem_bytes(E: int, itemsize: int, sizes=(0, 0, 0, 0)) -> int:
 
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
          modifiers: Modifiers, return_weights: bool = False,
+         return_max_logits: bool = False,
          block_q: int | None = None, block_kv: int | None = None,
          interpret: bool = False) -> Plan | str:
   """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
@@ -94,6 +95,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   only shapes, dtypes and the mods' jaxprs are read). block_q, block_kv: a
   block_mask's tiles, unused (the tiles are 64 x 64; the classes are recomputed).
   interpret: run the kernels in the Mosaic GPU interpreter (any backend, for tests).
+  return_max_logits: the forward also returns each row's largest visible logit.
   """
   del block_q, block_kv
   m = modifiers
@@ -124,7 +126,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            skip=facts.has_mask or bool(st.is_causal) or window is not None,
            q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
            segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
-           score_reads=facts.score_reads)
+           score_reads=facts.score_reads, max_logits=bool(return_max_logits))
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
 
 
@@ -182,21 +184,3 @@ def _side_refusal(p: Plan, m: Modifiers, itemsize: int) -> str | None:
     return (f"its tiles need {need // 1024} KiB of shared memory at head width "
             f"{p.H_padded}, over a Hopper SM's {SMEM_BYTES // 1024} KiB")
   return None
-
-
-def _kernels():
-  """The Mosaic GPU kernels' module, imported on first use (the plan checked its API)."""
-  from jattn._src.kernels import flex_mgpu_kernels
-  return flex_mgpu_kernels
-
-
-def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T])."""
-  out, lse = _kernels().forward(p, layout, query, key, value, modifiers)
-  out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
-  return without_batch(out, layout), lse[:, :, :p.T]
-
-
-# -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
-# jattn's kernel VJP (sinks after the forward, score_mod's arrays by blockwise)
-run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))

@@ -354,7 +354,8 @@ def _prepare(p: Plan, modifiers):
 
 
 def forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """-> (out [B, N, Tp, E] in the value's dtype, lse float32 [B, N, Tp]); no sinks."""
+  """-> (out [B, N, Tp, E] in the value's dtype, lse float32 [B, N, Tp], max logits
+  float32 [B, N, Tp] when `p.max_logits`, else None); no sinks."""
   q, k, v = to_tiles(p, layout, query, key, value)
   tm, where, arrays = _prepare(p, modifiers)
   bq, bk, E, dtype = p.block_q, p.block_kv, p.H_padded, q.dtype
@@ -363,16 +364,20 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
                  lse=plgpu.SMEM((bq,), jnp.float32), q_bar=plgpu.Barrier(),
                  kv_bars=plgpu.Barrier(num_barriers=6),
                  **_side_scratch(p, where, arrays, "t", "s"))
-  out_type = (jax.ShapeDtypeStruct((p.B, p.N, p.T_padded, E), dtype),
-              jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32))
+  rows = jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)
+  out_type = (jax.ShapeDtypeStruct((p.B, p.N, p.T_padded, E), dtype), rows)
+  if p.max_logits:  # the running max m, through its own SMEM row
+    scratch["max"] = plgpu.SMEM((bq,), jnp.float32)
+    out_type += (rows,)
   body = functools.partial(_forward_kernel, p=p, tm=tm, where=where, arrays=arrays)
-  return _kernel(body, out_type, scratch, (p.T_padded // bq, p.N, p.B), ("i", "n", "b"), p,
-                 "jattn_flex_mgpu_fwd")(q, k, v, *arrays)
+  out, lse, *max_logits = _kernel(body, out_type, scratch, (p.T_padded // bq, p.N, p.B),
+                                  ("i", "n", "b"), p, "jattn_flex_mgpu_fwd")(q, k, v, *arrays)
+  return out, lse, max_logits[0] if max_logits else None
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
   gmem = dict(zip(where.names, refs[:len(where.names)]))
-  o_ref, lse_ref = refs[len(where.names):]
+  o_ref, lse_ref, *max_ref = refs[len(where.names):]
   i, n, b = (lax.axis_index(a) for a in ("i", "n", "b"))
   h = lax.div(n, jnp.int32(p.N // p.K))
   bq, bk, E = p.block_q, p.block_kv, p.H_padded
@@ -422,9 +427,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **sm
   scale = jnp.where(seen, 1.0 / safe_l, 0.0)
   smem["q"][...] = (acc * lax.broadcast_in_dim(scale, acc.shape, [0])).astype(o_ref.dtype)
   smem["lse"][...] = jnp.where(seen, m + jnp.log(safe_l), LARGE_NEGATIVE)
+  if max_ref:  # masked logits are LARGE_NEGATIVE: a row with none keeps it
+    smem["max"][...] = m
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem["q"], o_ref.at[b, n, pl.ds(i * bq, bq)])
   plgpu.copy_smem_to_gmem(smem["lse"], lse_ref.at[b, n, pl.ds(i * bq, bq)])
+  if max_ref:
+    plgpu.copy_smem_to_gmem(smem["max"], max_ref[0].at[b, n, pl.ds(i * bq, bq)])
   plgpu.wait_smem_to_gmem(0)
 
 

@@ -1,16 +1,18 @@
 """The "flex_tpu" kernel: flash attention in Pallas for TPU (Mosaic), with the
 user's mask_mod and score_mod evaluated inside the kernel on each tile.
 
-`plan(...)` looks only at static facts of a call and returns a hashable
-`Plan`, or a reason in words for what the kernel cannot take. `run(plan, ...)`
-has the contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T]).
+`plan(...)` looks only at static facts of a call and returns a hashable `Plan`, or a
+reason in words for what the kernel cannot take. `flex_tpu_call.run(plan, ...)` has the
+contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T], max logits
+float32 [B, N, T] or None).
 
 Grid (B, N, T / block_q, S / block_kv), the last axis sequential: each program
 holds one query tile [block_q, H] of head n and streams the key/value tiles of
 kv head n // G (the index map reads the shared kv head: K and V are never
 repeated per group). Online softmax in float32 in VMEM scratch (running max m
 and sum l lane-replicated [block_q, 128], accumulator [block_q, D]); the last
-kv step writes out and lse = m + log l. T and S are padded to the tiles, and
+kv step writes out and lse = m + log l (and m itself, the row's largest visible
+logit, when the plan asks for max logits). T and S are padded to the tiles, and
 the padded keys masked. Positions t, s are iota tiles; b and n the program's
 indices; the mods' captured arrays are in SMEM (scalar prefetch), see
 `tile_mods`. Sinks are applied to (out, lse) after the kernel, as blockwise does.
@@ -31,9 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import compat
-from jattn._src.core.layout import Layout
-from jattn._src.core.modifiers import Modifiers
-from jattn._src.kernels import kernel_plan, kernel_vjp
+from jattn._src.masks.modifiers import Modifiers
+from jattn._src.kernels import kernel_plan
 from jattn._src.kernels.kernel_plan import round_up
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
@@ -64,10 +65,13 @@ class Plan(kernel_plan.TilePlan):
   # const index of each read of a float table at positions, in evaluation order: the
   # dq kernel returns one gradient row per read and query tile (`table_grads`)
   table_reads: tuple = ()
+  # the forward also writes each row's running max m (return_max_logits)
+  max_logits: bool = False
 
 
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
          modifiers: Modifiers, return_weights: bool = False,
+         return_max_logits: bool = False,
          block_q: int | None = None, block_kv: int | None = None,
          interpret: bool = False, skip: bool = True, offsets: bool = False) -> Plan | str:
   """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
@@ -82,6 +86,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   a given block_mask of these tiles, else mask_mod evaluated block by block).
   offsets: the call covers T queries and S keys from traced global positions (one
   ring step); run it with `step_forward` / `step_backward`.
+  return_max_logits: the forward also returns each row's largest visible logit.
   """
   m = modifiers
   reason = compat.missing("pallas_tpu") or kernel_plan.common_refusal(
@@ -117,56 +122,5 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, facts.has_score, bool(interpret), score_reads, skip,
-              facts.mask_rows, score_tables, bool(offsets), facts.table_reads)
-
-
-def _kernels():
-  """The Pallas TPU kernels' module, imported on first use (the plan checked its API)."""
-  from jattn._src.kernels import flex_tpu_kernels
-  return flex_tpu_kernels
-
-
-def _forward(*args):
-  return _kernels().forward(*args)
-
-
-def _backward(*args):
-  return _kernels().backward(*args)
-
-
-# -> (out, None, lse float32 [B, N, T]), as `blockwise_attention`: the kernels under
-# jattn's kernel VJP (sinks after the forward)
-run = kernel_vjp.kernel_run(
-    lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods),
-    lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
-        plan_, layout, q, k, v, modifiers.mods, out, lse, d_out))
-
-
-# ---------------------------------------------------------------- one ring step
-
-
-def step_forward(plan_: Plan, layout: Layout, query, key, value, mods, q_offset, kv_offset):
-  """One range pair of ring attention, as `blockwise_loop.forward`: -> (out, lse float32
-  [B, N, T]) of T queries from global position q_offset against S keys from kv_offset
-  (int32 scalars, traced: scalar prefetch). No sinks: the ring adds them once, at the end.
-
-  layout has B; mods: the ring's `Mods` (traced here) or None; plan_ made with
-  `offsets=True` for these T, S."""
-  mods = None if mods is None else mods.traced()
-  plan_ = kernel_plan.for_trace(plan_, mods)
-  return _forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
-
-
-def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Modifiers,
-                  q_offset, kv_offset, out, lse, d_out):
-  """This range pair's share of the gradients, as `blockwise_loop.backward_with_score_grads`
-  from the final out, lse (sinks included) and d_out: -> (d_query, d_key, d_value float32,
-  score_mod's float arrays' gradients (None for the others))."""
-  mods = None if modifiers.mods is None else modifiers.mods.traced()
-  plan_ = kernel_plan.for_trace(plan_, mods)
-  return _backward(plan_, layout, query, key, value, mods, out, lse, d_out,
-                   _offsets(q_offset, kv_offset))
-
-
-def _offsets(q_offset, kv_offset):
-  return jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+              facts.mask_rows, score_tables, bool(offsets), facts.table_reads,
+              max_logits=bool(return_max_logits))

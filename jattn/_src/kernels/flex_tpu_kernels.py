@@ -317,7 +317,8 @@ def _gated(tables, table_refs, b, n, i, j, step):
 
 
 def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None):
-  """-> (out in the query's layout with D, lse float32 [B, N, T]); no sinks.
+  """-> (out in the query's layout with D, lse float32 [B, N, T], max logits float32
+  [B, N, T] when `plan_.max_logits`, else None); no sinks.
 
   offsets: int32 [2], the global position of the first query and of the first key
   (traced, e.g. a ring step's), when the plan was made with `offsets=True`."""
@@ -335,11 +336,11 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None):
       pl.BlockSpec((None, None, bk, p.H), kv),
       pl.BlockSpec((None, None, bk, p.D), kv),
   ] + _row_specs(p, row_arrays, lambda b, n, i, j: i, lambda b, n, i, j: j)
-  out_specs = [
-      pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
-      pl.BlockSpec((None, None, bq, _LANES), lambda b, n, i, j, *_: (b, n, i, 0)),
-  ]
-  out, lse = pl.pallas_call(
+  rows = pl.BlockSpec((None, None, bq, _LANES), lambda b, n, i, j, *_: (b, n, i, 0))
+  row_stats = 2 if p.max_logits else 1  # lse, and the running max m when asked
+  out_specs = [pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
+               *[rows] * row_stats]
+  out, *stats = pl.pallas_call(
       functools.partial(_forward_kernel, p=p, tm=tm, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(table_arrays) + len(smem) + len(scalars),
@@ -349,13 +350,14 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None):
                           pltpu.VMEM((bq, _LANES), jnp.float32),
                           pltpu.VMEM((bq, p.D), jnp.float32)]),
       out_shape=[jax.ShapeDtypeStruct((p.B, p.N, Tp, p.D), query.dtype),
-                 jax.ShapeDtypeStruct((p.B, p.N, Tp, _LANES), jnp.float32)],
+                 *[jax.ShapeDtypeStruct((p.B, p.N, Tp, _LANES), jnp.float32)] * row_stats],
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
       name="jattn_flex_tpu_fwd",
   )(*table_arrays, *smem, *scalars, q, k, v, *row_arrays)
   out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T])
-  return without_batch(out, layout), lse[:, :, :p.T, 0]
+  max_logits = stats[1][:, :, :p.T, 0] if p.max_logits else None
+  return without_batch(out, layout), stats[0][:, :, :p.T, 0], max_logits
 
 
 def _kv_index(tables, G):
@@ -392,7 +394,9 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
   nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref = rest[:3]
   row_refs = rest[3:3 + nr]
-  o_ref, lse_ref, m_sc, l_sc, acc_sc = rest[3 + nr:]
+  o_ref, lse_ref = rest[3 + nr:5 + nr]
+  max_ref = rest[5 + nr] if p.max_logits else None
+  m_sc, l_sc, acc_sc = rest[5 + nr + (max_ref is not None):]
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
@@ -412,6 +416,8 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
     inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     o_ref[...] = (acc_sc[...] * _lanes(inv, p.D)).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
+    if max_ref is not None:  # masked logits are LARGE_NEGATIVE: a row with none keeps it
+      max_ref[...] = m
 
 
 def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full,

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from jattn._src.core.modifiers import Modifiers
+from jattn._src.masks.modifiers import Modifiers
 from jattn._src.kernels import tile_mods
 
 

@@ -1,8 +1,9 @@
 """The custom VJP that jattn's own kernels ("flex_tpu", "flex_gpu", "flex_mgpu") run
-under: the kernel's forward gives (out, lse), sinks join after it (as in "blockwise"),
-the kernel's backward gives dq, dk, dv and the gradients of score_mod's arrays (its
-scalar reads' and its tables' read at positions), and for a kernel that gives none
-("flex_mgpu") they come from the blockwise backward.
+under: the kernel's forward gives (out, lse, and its running row max when the plan asks
+for max logits: no gradient), sinks join after it (as in "blockwise"), the kernel's
+backward gives dq, dk, dv and the gradients of score_mod's arrays (its scalar reads' and
+its tables' read at positions), and for a kernel that gives none ("flex_mgpu") they come
+from the blockwise backward.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import functools
 import jax
 
 from jattn._src.core.layout import Layout
-from jattn._src.impl import blockwise_loop
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.kernels import blockwise_loop
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.kernels import kernel_plan
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
@@ -31,11 +32,13 @@ def without_batch(x, layout):
 
 
 def kernel_run(forward, backward):
-  """run(plan, query, key, value, modifiers, layout) -> (out, None, lse float32 [B, N, T])
-  of a tile kernel, with the contract of `blockwise_attention` (gradients into query,
-  key, value, sinks and score_mod's float arrays).
+  """run(plan, query, key, value, modifiers, layout) -> (out, None, lse float32 [B, N, T],
+  max logits float32 [B, N, T] or None) of a tile kernel, with the contract of
+  `blockwise_attention` (gradients into query, key, value, sinks and score_mod's float
+  arrays; none out of the lse and max logits).
 
-  forward(plan, layout, query, key, value, modifiers) -> (out in `layout`, lse [B, N, T]);
+  forward(plan, layout, query, key, value, modifiers) -> (out in `layout`, lse [B, N, T],
+  max logits [B, N, T] when `plan.max_logits`, else None);
   backward(plan, layout, query, key, value, modifiers, out, lse, d_out) -> (dq, dk, dv,
   score_mod's consts' gradients: a tuple, None where the kernel gives none; or None for
   all: then they come from the blockwise backward);
@@ -47,13 +50,14 @@ def kernel_run(forward, backward):
     return attention_fwd(plan, layout, query, key, value, modifiers)[0]
 
   def attention_fwd(plan, layout, query, key, value, modifiers):
-    out, lse = forward(plan, layout, query, key, value, modifiers)
-    if modifiers.sinks is not None:
+    out, lse, max_logits = forward(plan, layout, query, key, value, modifiers)
+    if modifiers.sinks is not None:  # into out and lse; a sink is no key's logit
       out, lse = add_sinks(out, lse, modifiers.sinks, batched(layout).out)
-    return (out, lse), (query, key, value, modifiers, out, lse)
+    return (out, lse, max_logits), (query, key, value, modifiers, out, lse)
 
   def attention_bwd(plan, layout, residuals, cotangents):
-    d_out, _ = cotangents  # the lse carries no gradient (as jax.nn, as blockwise)
+    # the lse and max logits carry no gradient (as jax.nn's lse, as blockwise)
+    d_out = cotangents[0]
     query, key, value, modifiers, out, lse = residuals
     mods = modifiers.mods
     d_q, d_k, d_v, d_consts = backward(plan, layout, query, key, value, modifiers, out, lse,
@@ -78,8 +82,9 @@ def kernel_run(forward, backward):
     if modifiers.mods is not None:
       modifiers = modifiers.replace(mods=modifiers.mods.traced())
       plan = kernel_plan.for_trace(plan, modifiers.mods)
-    out, lse = attention(plan, layout, query, key, value, modifiers)
-    return out, None, without_batch(lse, layout)
+    out, lse, max_logits = attention(plan, layout, query, key, value, modifiers)
+    max_logits = None if max_logits is None else without_batch(max_logits, layout)
+    return out, None, without_batch(lse, layout), max_logits
 
   return run
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jattn import mods as jattn_mods
+from jattn._src.masks import mods as jattn_mods
 from jattn._src.masks.block_mask import classify
 from jattn._src.masks.closed_form_blocks import closed_form_classes
 

@@ -15,13 +15,33 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn._src.impl.block_sizes import BlockSizes
+from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.masks.programmable import build_mods, grid_index, on_grid
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 # Entries of mask_mod evaluated at once: bounds create_block_mask's working
 # memory (a few bytes each) independently of T and S.
 _ENTRIES_PER_STEP = 1 << 20
+
+
+class _SameText:
+  """A mask_mod's jaxpr as a BlockMask's static part, equal to another of the same text.
+
+  A jaxpr compares by identity, and each `create_block_mask` traces its mask_mod
+  anew: a jit taking a block mask made per batch would compile again every batch.
+  The printed jaxpr names every equation, parameter and captured array's shape
+  (the arrays themselves are the leaves `mask_consts`), so equal text computes the
+  same mask."""
+
+  def __init__(self, jaxpr):
+    self.jaxpr = jaxpr
+    self.text = None if jaxpr is None else str(jaxpr)
+
+  def __eq__(self, other):
+    return isinstance(other, _SameText) and self.text == other.text
+
+  def __hash__(self):
+    return hash(self.text)
 
 
 # create_block_mask's default, the same on every platform (see its docstring).
@@ -64,11 +84,11 @@ class BlockMask:
 
   def tree_flatten(self):
     return ((self.classes, self.mask_consts),
-            (self.block_sizes, self.B, self.N, self.T, self.S, self.mask_jaxpr))
+            (self.block_sizes, self.B, self.N, self.T, self.S, _SameText(self.mask_jaxpr)))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(children[0], *aux[:5], aux[5], children[1])
+    return cls(children[0], *aux[:5], aux[5].jaxpr, children[1])
 
   def sparsity(self) -> jax.Array:
     """The fraction of EMPTY blocks (float32)."""

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn import mods as _mods
+from jattn._src.masks import mods as _mods
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 

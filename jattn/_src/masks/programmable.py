@@ -92,9 +92,11 @@ class Mods:
     A mask that reads neither b nor n is evaluated once for every batch row
     and head instead of per row and head.
     """
-    var = self.mask_jaxpr.invars[argument]
-    return (any(any(v is var for v in eqn.invars) for eqn in self.mask_jaxpr.eqns)
-            or any(v is var for v in self.mask_jaxpr.outvars))
+    return _reads(self.mask_jaxpr, argument)
+
+  def score_uses(self, argument: int) -> bool:
+    """Whether score_mod reads its argument number `argument` (0 score, 1 b, 2 n, 3 t, 4 s)."""
+    return _reads(self.score_jaxpr, argument)
 
   def mask(self, b, n, t, s):
     """mask_mod(b, n, t, s) -> bool scalar."""
@@ -117,6 +119,12 @@ class Mods:
         mask_mod=None,
         score_consts=tuple(None if d is None else d.astype(c.dtype)
                            for d, c in zip(score_consts, self.score_consts)))
+
+
+def _reads(jaxpr, argument: int) -> bool:
+  var = jaxpr.invars[argument]
+  return (any(any(v is var for v in eqn.invars) for eqn in jaxpr.eqns)
+          or any(v is var for v in jaxpr.outvars))
 
 
 def _check_arity(name: str, fn, arity: int, call: str) -> None:

@@ -22,7 +22,7 @@ _OUT = {"rows": "BTND->BTND", "columns": "BTND->BNDT"}
 
 
 def check_call(*, B: int, T: int, new_keys: int, cache, mask, attention_fn, sow_weights,
-               dropout) -> None:
+               dropout, sow_max_logits: bool = False) -> None:
   """Before any work: what a paged decoding call cannot take, named."""
   if new_keys != T:
     raise ValueError(f"decode: queries and keys must be the same new tokens, got "
@@ -32,6 +32,10 @@ def check_call(*, B: int, T: int, new_keys: int, cache, mask, attention_fn, sow_
                      f"block_table {tuple(cache.block_table.shape)}")
   refused = {"mask": mask is not None, "attention_fn": attention_fn is not None,
              "sow_weights": bool(sow_weights), "dropout": dropout}
+  if sow_max_logits:  # decode_attention splits the keys over pages and returns no max
+    raise ValueError("sow_max_logits: decoding over a paged cache returns no max logits "
+                     "(jattn.decode_attention has no such output); sow them while "
+                     "training, or decode with the dense cache")
   for name, given in refused.items():
     if given:
       raise ValueError(f"{name}: decoding over a paged cache takes no {name} (a dense mask "

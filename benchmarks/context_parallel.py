@@ -1,0 +1,218 @@
+"""Context parallelism on 8 devices: the load balance, bytes, memory, and measured time.
+
+    python benchmarks/context_parallel.py --out runs/cp          # ~4 min on 2 cores
+    python benchmarks/context_parallel.py --out runs/cp --plot docs/images/context_parallel_balance.png
+
+1. Balance (counts from the plan, nothing computed): at T = 32k and 128k on 8
+   devices, the non-empty 256 x 256 block pairs per device, max / mean, for the
+   zig-zag order and for the mask-aware balance, and the modelled critical path of
+   a ring pass (the sum over ring steps of the busiest device's work in that step,
+   since each step ends in a ppermute): causal, 16 documents of random lengths
+   (causal), a causal 4k window, prefix-LM with a T / 4 prefix.
+2. Bytes each device sends (forward + backward) and the memory it holds, per
+   strategy, from the plan (B=1, N=32, K=8, H=D=128, bfloat16, causal).
+3. Per-device memory of the compiled forward + backward (XLA's own account of one
+   device's SPMD program, `compiled.memory_analysis()`: arguments, outputs and
+   temporaries) per strategy against T and P, and the same divided by T / P: flat
+   where memory is linear in T / P (compiled, not run; causal, float32).
+4. Measured forward + backward time of each strategy on 8 simulated CPU devices
+   at a small size, as ratios to the zig-zag ring, in one process. The 8
+   simulated devices share this machine's cores, so wall time measures the total
+   work of all devices, not the balance (the slowest device on real hardware).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+import jattn  # noqa: E402
+from jattn import mods  # noqa: E402
+
+P = 8
+ZIGZAG = jattn.ChunkOrder(tuple((i, 2 * P - 1 - i) for i in range(P)), "zig-zag")
+
+
+def documents(T: int, count: int, seed: int = 0) -> np.ndarray:
+  """int [1, T]: `count` packed documents, lengths from `count - 1` random cuts."""
+  cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, T), count - 1, replace=False))
+  return np.searchsorted(cuts, np.arange(T), side="right")[None].astype(np.int32)
+
+
+def masks(T: int) -> dict:
+  return {
+      "causal": dict(is_causal=True),
+      "16 documents": dict(is_causal=True, mask_mod=mods.document(documents(T, 16))),
+      "4k window": dict(is_causal=True, local_window_size=(4096, 0)),
+      "prefix-LM": dict(mask_mod=mods.prefix_lm(np.array([T // 4], np.int32))),
+  }
+
+
+def balance_rows(lengths):
+  rows = []
+  for T in lengths:
+    q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    for name, kw in masks(T).items():
+      plan = lambda **lb: jattn.context_parallel_plan(q, q, q, mesh=AbstractMesh((P,), ("seq",)),
+                                                      strategy="ring", **lb, **kw)
+      balanced, zigzag = plan(), plan(load_balance=ZIGZAG)
+      b, z = balanced.costs["ring"], zigzag.costs["ring"]
+      rows.append(dict(T=T, mask=name, order=str(balanced.order), block=balanced.block,
+                       zigzag_imbalance=z.imbalance, balanced_imbalance=b.imbalance,
+                       zigzag_work=z.work, balanced_work=b.work,
+                       zigzag_critical_path=z.critical_path,
+                       balanced_critical_path=b.critical_path))
+  return rows
+
+
+def bytes_rows(lengths):
+  rows = []
+  for T in lengths:
+    q = jax.ShapeDtypeStruct((1, T, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    plan = jattn.explain(q, kv, kv, mesh=AbstractMesh((P,), ("seq",)), is_causal=True)
+    for name, c in plan.costs.items():
+      rows.append(dict(T=T, strategy=name, refused=c.refused,
+                       bytes_sent_mib=max(c.bytes_sent) / 2**20 if c.bytes_sent else None,
+                       memory_mib=c.memory / 2**20 if not c.refused else None,
+                       chosen=name == plan.strategy))
+  return rows
+
+
+def memory_rows(lengths, device_counts):
+  rows = []
+  for P_ in device_counts:
+    mesh = Mesh(np.array(jax.devices()[:P_]), ("seq",))
+    sharding = NamedSharding(mesh, PartitionSpec(None, "seq"))
+    for T in lengths:
+      x = jax.ShapeDtypeStruct((1, T, 8, 64), jnp.float32, sharding=sharding)
+      for strategy in ("ring", "all_gather", "ulysses"):
+        loss = lambda q, k, v, strategy=strategy: jnp.sum(jattn.context_parallel_attention(
+            q, k, v, mesh=mesh, strategy=strategy, is_causal=True))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        stats = step.lower(x, x, x).compile().memory_analysis()
+        mib = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+               + stats.temp_size_in_bytes - stats.alias_size_in_bytes) / 2**20
+        rows.append(dict(T=T, P=P_, strategy=strategy, fwd_bwd_mib=mib,
+                         mib_per_1k_tokens_per_device=mib / (T / P_ / 1024)))
+  return rows
+
+
+def timing_rows(T: int, repeats: int):
+  mesh = Mesh(np.array(jax.devices()), ("seq",))
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (1, T, 8, 64), jnp.float32) for key in keys)
+  ids = documents(T, 16)
+  rows = []
+  for name, kw in (("causal", dict(is_causal=True)),
+                   ("16 documents", dict(is_causal=True, mask_mod=mods.document(ids)))):
+    variants = {"ring, zig-zag": dict(strategy="ring", load_balance=ZIGZAG),
+                "ring, balanced": dict(strategy="ring"),
+                "all_gather, balanced": dict(strategy="all_gather"),
+                "ulysses": dict(strategy="ulysses")}
+    steps = {}
+    for label, extra in variants.items():
+      loss = lambda q, k, v, extra=extra: jnp.sum(jattn.context_parallel_attention(
+          q, k, v, mesh=mesh, **extra, **kw))
+      steps[label] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+      jax.block_until_ready(steps[label](q, k, v))  # compile and warm up
+    samples = {label: [] for label in variants}
+    for _ in range(repeats):  # round robin: a change of load on shared cores hits all alike
+      for label, step in steps.items():
+        start = time.perf_counter()
+        jax.block_until_ready(step(q, k, v))
+        samples[label].append(time.perf_counter() - start)
+    times = {label: statistics.median(s) for label, s in samples.items()}
+    base = times["ring, zig-zag"]
+    for label, t in times.items():
+      rows.append(dict(T=T, mask=name, variant=label, ms=1e3 * t, ratio=t / base))
+  return rows
+
+
+def cpu():
+  info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+  model = next((l.split(":", 1)[1].strip() for l in info.splitlines()
+                if l.startswith("Model name")), "?")
+  flags = open("/proc/cpuinfo").read()
+  avx512 = sorted({w for w in flags.split() if w.startswith("avx512")})
+  return dict(model=model, avx512=avx512, cores=os.cpu_count())
+
+
+def plot(rows, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  row = next(r for r in rows if r["mask"] == "16 documents" and r["T"] == 32768)
+  fig, ax = plt.subplots(figsize=(7, 3.2))
+  x = np.arange(P)
+  ax.bar(x - 0.2, row["zigzag_work"], 0.4, label=f"zig-zag (max/mean {row['zigzag_imbalance']:.2f})")
+  ax.bar(x + 0.2, row["balanced_work"], 0.4,
+         label=f"{row['order']} (max/mean {row['balanced_imbalance']:.2f})")
+  ax.set_xlabel("device")
+  ax.set_ylabel("non-empty 256x256 block pairs")
+  ax.set_title("16 causal documents of random lengths, T = 32k, 8 devices")
+  ax.set_ylim(0, 1.35 * max(row["zigzag_work"]))
+  ax.legend(fontsize=8, loc="upper left", ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def table(rows, keys):
+  lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+  for r in rows:
+    cells = [(f"{r[k]:.3f}" if r[k] < 10 else f"{r[k]:.0f}") if isinstance(r[k], float)
+             else str(r[k]) for k in keys]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--lengths", default="32768,131072")
+  parser.add_argument("--memory-lengths", default="8192,32768")
+  parser.add_argument("--memory-devices", default="4,8")
+  parser.add_argument("--time-length", type=int, default=4096, help="T of the timed runs")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--out", default="runs/cp")
+  parser.add_argument("--plot", default=None, help="PNG of per-device work, documents")
+  args = parser.parse_args()
+  lengths = [int(x) for x in args.lengths.split(",")]
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  results = dict(cpu=cpu(), jax=jax.__version__, devices=P,
+                 command=" ".join(["python"] + sys.argv))
+  results["balance"] = balance_rows(lengths)
+  print(table(results["balance"], ["T", "mask", "order", "zigzag_imbalance",
+                                   "balanced_imbalance", "zigzag_critical_path",
+                                   "balanced_critical_path"]), flush=True)
+  results["bytes"] = bytes_rows(lengths)
+  print(table(results["bytes"], ["T", "strategy", "bytes_sent_mib", "memory_mib", "chosen"]),
+        flush=True)
+  results["memory"] = memory_rows([int(x) for x in args.memory_lengths.split(",")],
+                                  [int(x) for x in args.memory_devices.split(",")])
+  print(table(results["memory"], ["T", "P", "strategy", "fwd_bwd_mib",
+                                  "mib_per_1k_tokens_per_device"]), flush=True)
+  if args.time_length:
+    results["timing"] = timing_rows(args.time_length, args.repeats)
+    print(table(results["timing"], ["T", "mask", "variant", "ms", "ratio"]), flush=True)
+  (out / "context_parallel.json").write_text(json.dumps(results, indent=1, default=str))
+  if args.plot:
+    plot(results["balance"], args.plot)
+  print(results["cpu"])
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,78 @@
+"""Property-based: random shapes, block sizes and masks against the float64 reference.
+
+Each property runs twice: with the "ci" hypothesis profile in the default tier
+(a few derandomized examples) and with the "thorough" profile (hundreds of random
+examples) in the slow tier, `python -m pytest -m thorough tests/impl/test_properties.py`.
+Letters: B T S N K G H D.
+"""
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from tests.reference_grads import reference_vjp
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+@st.composite
+def attention_calls(draw):
+  """A random call: sizes, block sizes, GQA, and any combination of the masks."""
+  T, S = draw(st.integers(1, 24)), draw(st.integers(1, 24))
+  K, G = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3]))
+  seed = draw(st.integers(0, 2**16))
+  rng = np.random.default_rng(seed)
+  masks = {}
+  if draw(st.booleans()):
+    masks["is_causal"] = True
+  if draw(st.booleans()):
+    masks["local_window_size"] = (draw(st.integers(0, 8)), draw(st.integers(0, 8)))
+  if draw(st.booleans()):
+    masks["query_seq_lengths"] = rng.integers(0, T + 1, 2)
+    masks["key_value_seq_lengths"] = rng.integers(0, S + 1, 2)
+  if draw(st.booleans()):
+    masks["q_segment_ids"] = np.sort(rng.integers(0, 3, (2, T)), axis=-1)
+    masks["kv_segment_ids"] = np.sort(rng.integers(0, 3, (2, S)), axis=-1)
+  if draw(st.booleans()):
+    masks["mask"] = rng.random((2, 1, T, S)) < 0.7
+  return dict(T=T, S=S, K=K, G=G, bq=draw(st.integers(1, 9)), bk=draw(st.integers(1, 9)),
+              impl=draw(st.sampled_from(["blockwise", "blockwise", "xla", "vmap"])),
+              seed=seed, masks=masks)
+
+
+def _check(call):
+  T, S, K, G = call["T"], call["S"], call["K"], call["G"]
+  rng = np.random.default_rng(call["seed"])
+  q, k, v, d_out = (rng.standard_normal(shape).astype(np.float32) for shape in (
+      (2, T, K * G, 4), (2, S, K, 4), (2, S, K, 4), (2, T, K * G, 4)))
+  masks = call["masks"]
+  sizes = (jattn.BlockSizes(q=call["bq"], kv=call["bk"]) if call["impl"] == "blockwise"
+           else None)
+  fn = lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation=call["impl"], block_sizes=sizes,
+      **{n: jnp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in masks.items()})
+  out, pullback = jax.vjp(fn, q, k, v)
+  got = (out,) + pullback(jnp.asarray(d_out))
+  want = reference_vjp(q, k, v, d_out, **masks)
+  for label, g, w in zip(("out", "d_query", "d_key", "d_value"), got, want):
+    assert np.all(np.isfinite(g)), label
+    np.testing.assert_allclose(g, w, **TOL, err_msg=label)
+
+
+def _tiers(check, strategy):
+  """(CI test, thorough test) of one property, each under its hypothesis profile."""
+  def make(profile):
+    @hypothesis.settings(hypothesis.settings.get_profile(profile))
+    @hypothesis.given(strategy)
+    def test(call):
+      check(call)
+    return test
+  return make("ci"), pytest.mark.thorough(make("thorough"))
+
+
+test_matches_float64_reference, test_matches_float64_reference_thorough = _tiers(
+    _check, attention_calls())

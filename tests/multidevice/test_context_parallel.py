@@ -1,0 +1,261 @@
+"""Context-parallel attention (jattn/_src/parallel/): the strategies against one device on
+8 simulated devices (a subprocess), and in this process the refusals, the load balance
+(against counts made from the dense mask), the chunk moves and their inverse (simulated
+in NumPy), the plan that `jattn.explain(..., mesh=mesh)` reports, and one-device values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, Mesh
+
+import jattn
+from jattn import mods
+from jattn._src.parallel import balance, relayout
+from tests.helpers import raises
+from tests.reference import reference_mask, reference_mods
+from tests.multidevice.test_ring import assert_checks_pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cases,count", [
+    ("quick", 6), pytest.param("all", 32, marks=pytest.mark.thorough)])
+def test_every_strategy_matches_one_device_values_and_gradients(cases, count):
+  assert_checks_pass("context_parallel_cases.py", cases, count)
+
+
+def sd(*shape, dtype=jnp.float32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def seq(P):
+  return AbstractMesh((P,), ("seq",))
+
+
+def on_shapes(q, k, v, **kw):
+  """context_parallel_attention traced on shapes alone (an abstract mesh cannot run)."""
+  return jax.eval_shape(lambda q, k, v: jattn.context_parallel_attention(q, k, v, **kw), q, k, v)
+
+
+def documents(T, count, seed=0):
+  """int [1, T]: `count` packed documents of random lengths."""
+  cuts = np.sort(np.random.default_rng(seed).choice(np.arange(1, T), count - 1, replace=False))
+  return np.searchsorted(cuts, np.arange(T), side="right")[None].astype(np.int32)
+
+
+# ----------------------------------------------------------------- refusals, named
+
+
+def test_a_strategy_must_be_one_of_the_three():
+  q = sd(1, 16, 8, 4)
+  for bad in ("Ring", "allgather", 3):
+    with raises(ValueError, "strategy must be None .* 'ring', 'all_gather', 'ulysses', got"):
+      on_shapes(q, q, q, mesh=seq(8), strategy=bad)
+
+
+@pytest.mark.parametrize("strategy", [None, "ring", "all_gather", "ulysses"])
+def test_lengths_not_divisible_by_p_name_the_lengths_and_p(strategy):
+  q, k = sd(1, 12, 8, 4), sd(1, 16, 8, 4)
+  with raises(ValueError, r"length T=12 must be divisible by 8 \(1 chunk\(s\) for each of "
+                          r"the 8 devices of mesh axis 'seq'\)"):
+    on_shapes(q, k, k, mesh=seq(8), strategy=strategy)
+  with raises(ValueError, "length S=18 must be divisible by 4"):
+    on_shapes(k, sd(1, 18, 8, 4), sd(1, 18, 8, 4), mesh=seq(4), strategy=strategy)
+
+
+def test_the_balance_needs_two_chunks_per_device_where_the_mask_is_uneven():
+  q = sd(1, 24, 8, 4)  # 24 = 3 x 8: one chunk per device, not two
+  with raises(ValueError, r"length T=24 must be divisible by 16 \(2 chunk\(s\).*for the load "
+                          r"balance of this mask \(load_balance=False keeps"):
+    on_shapes(q, q, q, mesh=seq(8), strategy="ring", is_causal=True)
+  plan = jattn.context_parallel_plan(q, q, q, mesh=seq(8), is_causal=True)
+  assert plan.strategy == "ulysses" and "T=24" in plan.costs["ring"].refused
+  # no mask: one contiguous chunk per device is already balanced
+  assert jattn.context_parallel_plan(q, q, q, mesh=seq(8), strategy="ring").order.c == 1
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(bias=np.zeros((16, 16), np.float32)), "bias: a dense bias is"),
+    (dict(mask=np.ones((16, 16), bool)), "mask: a dense mask is"),
+    (dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate: dropout's draw"),
+    (dict(return_weights=True), "return_weights: the weights are"),
+    (dict(implementation="xla"), "implementation: each device runs")])
+def test_what_cannot_be_split_is_refused_by_name(kw, name):
+  q = np.zeros((1, 16, 8, 4), np.float32)
+  with raises(ValueError, f"context_parallel_attention does not support .*{name}"):
+    jattn.context_parallel_attention(q, q, q, mesh=seq(8), **kw)
+
+
+def test_ulysses_needs_heads_divisible_by_p_and_says_so():
+  q, kv = sd(1, 16, 8, 4), sd(1, 16, 2, 4)  # K = 2 < 8 devices
+  with raises(ValueError, "heads N=8 and K=2 .* divisible by the 8 devices of mesh axis 'seq': "
+                          "Ulysses shards the heads"):
+    on_shapes(q, kv, kv, mesh=seq(8), strategy="ulysses")
+  report = jattn.explain(q, kv, kv, mesh=seq(8), is_causal=True)
+  assert report.strategy != "ulysses" and "K=2" in report.costs["ulysses"].refused
+  assert "ulysses   " in str(report) and "refused: heads N=8 and K=2" in str(report)
+
+
+# ----------------------------------------------------------------- the load balance
+
+
+def test_work_per_device_counts_the_dense_masks_blocks():
+  """Work of an order = non-empty (b x b) blocks of each device's query chunks, counted
+  here from the dense mask of 3 documents, causal, block by block."""
+  T, P, c, b = 48, 4, 2, 3
+  ids = documents(T, 3)
+  allowed = reference_mask(1, 1, T, T, is_causal=True, q_segment_ids=ids,
+                           kv_segment_ids=ids)[0, 0]
+  blocks = allowed.reshape(T // b, b, T // b, b).any(axis=(1, 3))
+  order = balance.ChunkOrder(((0, 7), (2, 5), (1, 6), (3, 4)))
+  size = T // (P * c)
+  want = [sum(blocks[g * size // b:(g + 1) * size // b].sum() for g in chunks)
+          for chunks in order.devices]
+  work = balance.work_of(order, blocks)
+  assert list(work.per_device) == want
+  # the ring step r of device i meets the keys of device i - r
+  kv_of = lambda i: [g for g in order.devices[i]]
+  rows = lambda g: slice(g * size // b, (g + 1) * size // b)
+  step1 = [sum(blocks[rows(a), rows(k)].sum() for a in order.devices[i] for k in kv_of(i - 1))
+           for i in range(P)]
+  assert list(work.per_step[1]) == step1
+  assert work.critical_path == sum(max(row) for row in work.per_step)
+
+
+def test_causal_is_dealt_in_zig_zag_and_documents_are_balanced():
+  """At T = 32k on 8 devices in 256 x 256 blocks: zig-zag for causal (exact); for 16
+  documents of random lengths the balance is within TARGET, zig-zag is not."""
+  T, P, b = 32768, 8, 256
+  q = sd(1, T, 8, 64, dtype=jnp.bfloat16)
+  causal = jattn.context_parallel_plan(q, q, q, mesh=seq(P), strategy="ring", is_causal=True)
+  assert causal.order == balance.zigzag(P) and causal.costs["ring"].imbalance == 1.0
+  ids = documents(T, 16)
+  plan = jattn.context_parallel_plan(q, q, q, mesh=seq(P), strategy="ring", is_causal=True,
+                                     mask_mod=mods.document(ids))
+  assert plan.block == (b, b) and plan.notes == ()
+  ranges = ids[0].reshape(-1, b)
+  blocks = np.tril((ranges.min(1)[:, None] <= ranges.max(1)[None, :])
+                   & (ranges.max(1)[:, None] >= ranges.min(1)[None, :]))
+  assert plan.costs["ring"].work == tuple(balance.work_of(plan.order, blocks).per_device)
+  assert plan.costs["ring"].imbalance <= balance.TARGET
+  zz = balance.work_of(balance.zigzag(P), blocks)
+  assert zz.imbalance > 1.5 and zz.critical_path > 1.5 * plan.costs["ring"].critical_path
+
+
+def test_traced_document_ids_are_not_read_and_the_report_says_so():
+  q = sd(1, 64, 8, 4)
+  ids = documents(64, 4)
+  order = {}
+
+  def call(ids):
+    order["plan"] = jattn.context_parallel_plan(q, q, q, mesh=seq(8), strategy="ring",
+                                                is_causal=True, mask_mod=mods.document(ids))
+  jax.eval_shape(call, ids)  # ids traced: the balance reads the causal mask alone
+  assert order["plan"].order == balance.zigzag(8)
+  assert "mask_mod Document depends on traced arrays" in order["plan"].notes[0]
+  concrete = jattn.context_parallel_plan(q, q, q, mesh=seq(8), strategy="ring",
+                                         is_causal=True, mask_mod=mods.document(ids))
+  assert concrete.order != balance.zigzag(8) and concrete.notes == ()
+
+
+def test_a_chunk_order_checks_itself():
+  with raises(ValueError, "ChunkOrder.devices must give every device the same number"):
+    balance.ChunkOrder(((0, 1), (2,)))
+  with raises(ValueError, "hold each chunk 0..C-1 once"):
+    balance.ChunkOrder(((0, 1), (1, 2)))
+  q = sd(1, 16, 8, 4)
+  with raises(ValueError, "load_balance is a ChunkOrder for 2 devices, but mesh axis 'seq' "
+                          "has 8"):
+    on_shapes(q, q, q, mesh=seq(8), strategy="ring", load_balance=balance.zigzag(2))
+
+
+@pytest.mark.parametrize("order", [
+    balance.zigzag(8), balance.contiguous(4, 3),
+    balance.ChunkOrder(tuple(tuple(sorted(r)) for r in
+                             np.random.default_rng(0).permutation(24).reshape(6, 4)))])
+def test_the_chunk_moves_deal_the_order_and_undo_it(order):
+  """The ppermute rounds of `relayout`, run in NumPy: each is a permutation of the devices,
+  together they put chunk g where the order says, and reversed they bring it home."""
+  P, c = order.P, order.c
+  held = [[i * c + s for s in range(c)] for i in range(P)]  # contiguous: device-major
+  dealt = [[None] * c for _ in range(P)]
+  for r in relayout.rounds(order):
+    assert sorted(r.to) == list(range(P))
+    for i in range(P):
+      dealt[r.to[i]][r.store[r.to[i]]] = held[i][r.send[i]]
+  assert [list(d) for d in order.devices] == dealt
+  back = [[None] * c for _ in range(P)]
+  for r in relayout.rounds(order):
+    for i in range(P):
+      back[i][r.send[i]] = dealt[r.to[i]][r.store[r.to[i]]]
+  assert back == held
+  assert order.positions(2 * order.C).tolist() == [
+      2 * g + t for chunks in order.devices for g in chunks for t in range(2)]
+
+
+# ----------------------------------------------------------------- explain for meshes
+
+
+def test_explain_with_a_mesh_reports_each_strategy():
+  q, kv = sd(2, 4096, 8, 64), sd(2, 4096, 8, 64)
+  report = jattn.explain(q, kv, kv, mesh=seq(8), local_window_size=(512, 0))
+  text = str(report)
+  for name in ("ring", "all_gather", "ulysses"):
+    cost = report.costs[name]
+    assert cost.refused is None and len(cost.work) == 8 and len(cost.bytes_sent) == 8
+    assert f"  {name}" in text
+  assert report.costs["ring"].critical_path is not None
+  # all-gather holds all of S; ring and Ulysses a share linear in T / P
+  assert report.costs["all_gather"].memory > report.costs["ring"].memory
+  half = jattn.explain(sd(2, 2048, 8, 64), sd(2, 2048, 8, 64), sd(2, 2048, 8, 64),
+                       mesh=seq(8), local_window_size=(512, 0))
+  for name in ("ring", "ulysses"):
+    assert report.costs[name].memory == 2 * half.costs[name].memory
+  assert report.strategy in ("ring", "all_gather", "ulysses") and "chosen" in report.why
+
+
+# ----------------------------------------------------------------- one device
+
+
+def test_every_strategy_on_one_device_with_a_window():
+  """P = 1: the same program, every key local; local_window_size, once refused, runs."""
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((2, 8, 2, 4)).astype(np.float32)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  t_, s_ = np.arange(8)[:, None], np.arange(8)[None, :]
+  want = reference_mods(q, q, q, allowed=(s_ <= t_) & (s_ >= t_ - 2))[0]
+  for strategy in ("ring", "all_gather", "ulysses"):
+    out = jattn.context_parallel_attention(q, q, q, mesh=mesh, strategy=strategy,
+                                           is_causal=True, local_window_size=(2, 0))
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=strategy)
+
+
+def test_implementation_context_parallel_runs_the_chosen_strategy_over_the_context_mesh():
+  """dot_product_attention(implementation="context_parallel") inside jax.set_mesh (what the
+  modules and the Transformer pass through): the strategy the plan chooses, over the "seq"
+  axis; values against NumPy. Unsupported arguments and a mesh without "seq" are named."""
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((2, 8, 2, 4)).astype(np.float32)
+  kv = rng.standard_normal((2, 8, 1, 4)).astype(np.float32)  # K = 1: Ulysses refuses on P > 1
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  t_, s_ = np.arange(8)[:, None], np.arange(8)[None, :]
+  want = reference_mods(q, kv, kv, allowed=s_ <= t_)[0]
+  plan = jattn.context_parallel_plan(q, kv, kv, mesh=mesh, is_causal=True)
+  with jax.set_mesh(mesh), jattn.explain_calls() as reports:
+    out = jax.jit(lambda q, k, v: jattn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="context_parallel"))(q, kv, kv)
+  np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+  assert reports[0].implementation("cpu") == plan.strategy
+  with raises(ValueError, "implementation='context_parallel' does not support .*mask"):
+    jattn.dot_product_attention(q, q, q, mask=np.ones((8, 8), bool),
+                                implementation="context_parallel")
+  with raises(ValueError, "implementation='context_parallel' needs a mesh with a 'seq' axis"):
+    jattn.dot_product_attention(q, q, q, implementation="context_parallel")
+  # on 8 devices (shapes only): strategy=None's choice, which for K = 1 is not Ulysses
+  with jax.sharding.use_abstract_mesh(seq(8)), jattn.explain_calls() as reports:
+    jax.eval_shape(lambda q, k: jattn.dot_product_attention(
+        q, k, k, is_causal=True, implementation="context_parallel"),
+        sd(2, 64, 8, 4), sd(2, 64, 1, 4))
+  want = jattn.context_parallel_plan(sd(2, 64, 8, 4), sd(2, 64, 1, 4), sd(2, 64, 1, 4),
+                                     mesh=seq(8), is_causal=True).strategy
+  assert reports[0].implementation("cpu") == want != "ulysses"
