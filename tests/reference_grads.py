@@ -87,3 +87,11 @@ def reference_mods_vjp(query, key, value, d_out, *, allowed=None, score=None, d_
     dk[:, :, heads[n]] += dk_n[:, :, n]
     dv[:, :, heads[n]] += dv_n[:, :, n]
   return out, dq, dk, dv
+
+
+def table_grad(d_bias, index, width):
+  """float64 [N, width]: the gradient of a table read as table[n, index[t, s]], from the
+  gradient of the bias it adds, d_bias [B, N, T, S]: summed over b and every (t, s)
+  that reads entry w."""
+  onehot = np.asarray(index)[..., None] == np.arange(width)  # [T, S, width]
+  return np.einsum("bnts,tsw->nw", np.asarray(d_bias, np.float64), onehot)

@@ -84,6 +84,33 @@ def test_export_carries_the_kernel_where_the_plan_takes_the_call(case, platform)
       assert re.search(rf"tensor<(\d+x)*{T}x{T}x", text), (what, platform)
 
 
+# ids not "tpu": conftest would skip a test with that keyword where jax sees no TPU
+@pytest.mark.parametrize("platform", ["tpu", "cuda"], ids=["for_tpu", "for_cuda"])
+def test_relative_bias_gradient_exports_the_three_kernels_and_no_loop(platform):
+  """The gradient into a relative-bias table comes from the dq kernel: the export holds
+  the forward, dq and dk/dv kernels and no loop of XLA's (the blockwise backward, which
+  recomputes the attention, is a while loop). Grouped heads, T != S."""
+  table = jnp.linspace(-1.0, 1.0, N * 33).reshape(N, 33)
+
+  def loss(q, k, v, table):
+    out = jattn.dot_product_attention(q, k, v, is_causal=True,
+                                      score_mod=mods.relative_bias(table))
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((B, 512, K, H), jnp.bfloat16)
+  assert jattn.explain(q, kv, kv, is_causal=True, score_mod=mods.relative_bias(
+      table)).implementation(platform) == {"tpu": "flex_tpu", "cuda": "flex_gpu"}[platform]
+  with jattn.lowering_for(platform):
+    text = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=[platform],
+                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+        q, kv, kv, jax.ShapeDtypeStruct(table.shape, table.dtype)).mlir_module()
+  prefix = {"tpu": "jattn_flex_tpu", "cuda": "jattn_flex_gpu"}[platform]
+  assert set(re.findall(rf"{prefix}_(fwd|dq|dkv)\b", text)) == {"fwd", "dq", "dkv"}
+  assert text.count(f"@{KERNEL[platform]}(") == 3
+  assert "stablehlo.while" not in text
+
+
 def test_the_cpu_result_of_the_same_function_is_unchanged():
   """The function whose TPU export holds splash computes, on this CPU, what the reference does."""
   kw, kv_heads, _ = CASES["soft_cap_sinks"]

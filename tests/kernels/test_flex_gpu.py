@@ -27,6 +27,7 @@ from jattn._src.kernels import flex_gpu, flex_gpu_call
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
 from tests.reference import reference_mods
+from tests.reference_grads import reference_vjp, table_grad
 
 B, T, S, N, K, H = 2, 40, 50, 4, 2, 24  # T, S and H not multiples of the tiles
 TRITON = "__gpu$xla.gpu.triton"
@@ -220,6 +221,54 @@ def test_gradients_into_captured_arrays_in_the_kernel_same_bits_twice():
   np.testing.assert_allclose(d_table, numeric_table, rtol=2e-4, atol=2e-4)
 
 
+def test_table_gradients_in_the_dq_kernel_against_float64():
+  """score_mod reads a [N, 2M+1] table at clip(s - t), a [2L+1] table at clip(t - s) and
+  a slope at n: each dq program sums a gradient row per table read over its kv tiles,
+  and XLA sums the programs'. Grouped heads, T != S, 16 x 16 tiles (three query tiles,
+  four kv tiles, some EMPTY), against the float64 gradient of the bias the tables add
+  and float64 central differences; the same bits twice."""
+  M, L = 6, 2
+  q, k, v = _inputs(seed=7)
+  rng = np.random.default_rng(7)
+  table = jnp.asarray(rng.standard_normal((N, 2 * M + 1)), jnp.float32)
+  table1 = jnp.asarray(rng.standard_normal(2 * L + 1), jnp.float32)
+  slopes = jnp.asarray(rng.uniform(0.0, 0.1, N), jnp.float32)
+  cot = rng.standard_normal((B, T, N, H))
+  index, index1 = np.clip(s_ - t_, -M, M) + M, np.clip(t_ - s_, -L, L) + L  # [T, S]
+  allowed = np.broadcast_to(s_ <= t_ + 20, (B, N, T, S))
+
+  def loss(table, table1, slopes):
+    def score(x, b, n, t, s):
+      rel = table[n, jnp.clip(s - t, -M, M) + M] + 0.5 * table1[jnp.clip(t - s, -L, L) + L]
+      return x + rel + slopes[n] * (s - t).astype(x.dtype)
+    m = Modifiers(mods=build_mods(lambda b, n, t, s: s <= t + 20, score, None, None, N=N),
+                  scale=1 / np.sqrt(H))
+    p = flex_gpu.plan(B=B, T=T, S=S, N=N, K=K, H=H, D=H, dtype=q.dtype, modifiers=m,
+                      block_q=16, block_kv=16, interpret=True)
+    assert p.table_reads and p.score_reads, p
+    return jnp.sum(flex_gpu_call.run(p, q, k, v, m, Layout("BTNH"))[0] * cot)
+
+  def bias(table, table1, slopes):  # float64 [B, N, T, S]
+    return np.broadcast_to(table[:, index] + 0.5 * table1[index1] + slopes[:, None, None]
+                           * (s_ - t_), (B, N, T, S))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  got = grad(table, table1, slopes)
+  plain = [np.asarray(x, np.float64) for x in (table, table1, slopes)]
+  *_, d_bias = reference_vjp(q, k, v, cot, bias(*plain), mask=allowed)
+  want = (table_grad(d_bias, index, 2 * M + 1), table_grad(d_bias, index1, 2 * L + 1).sum(0)
+          * 0.5, np.einsum("bnts,ts->n", d_bias, (s_ - t_) * 1.0))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+  d = rng.standard_normal(table.shape)  # central differences along d, float64
+  moved = lambda e: np.sum(reference_vjp(q, k, v, cot, bias(plain[0] + e * d, *plain[1:]),
+                                         mask=allowed)[0] * cot)
+  np.testing.assert_allclose(np.sum(got[0] * d), (moved(1e-4) - moved(-1e-4)) / 2e-4,
+                             rtol=1e-4)
+  again = grad(table, table1, slopes)
+  assert all(np.array_equal(a, b) for a, b in zip(again, got))
+
+
 @pytest.mark.parametrize("dtype", [
     jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.thorough)])
 def test_half_precision_and_the_columns_layout(dtype):
@@ -341,6 +390,16 @@ def test_dispatch_on_cuda_and_the_refusals_in_words():
   with pytest.raises(ValueError, match="flex_gpu.*NVIDIA GPU"):
     jattn.dot_product_attention(jnp.ones((1, 8, 1, 16)), jnp.ones((1, 8, 1, 16)),
                                 jnp.ones((1, 8, 1, 16)), implementation="flex_gpu")
+
+
+def test_a_table_too_wide_for_the_dq_kernels_row_is_refused_in_words():
+  q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+  wide = jattn.explain(q, q, q, score_mod=mods.relative_bias(jnp.zeros((4, 1025))))
+  assert wide.reasons("cuda")["flex_gpu"] == (
+      "score_mod: a table of width 1025 read at positions; the dq kernel sums its gradient "
+      "in a row of at most 1024 entries")
+  fits = jattn.explain(q, q, q, score_mod=mods.relative_bias(jnp.zeros((4, 1023))))
+  assert fits.implementation("cuda") == "flex_gpu"
 
 
 def test_float32_heads_past_128_are_refused():

@@ -20,6 +20,7 @@ from jattn._src.kernels import flex_tpu, flex_tpu_call
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
 from tests.reference import reference_attention
+from tests.reference_grads import reference_vjp, table_grad
 
 B, T, S, N, K, H = 1, 200, 250, 2, 1, 128  # T, S not multiples of the tiles
 
@@ -480,6 +481,56 @@ def test_relative_bias_export_fwd_and_grad():
   for name in ("jattn_flex_tpu_fwd", "jattn_flex_tpu_dq", "jattn_flex_tpu_dkv"):
     assert name in text, name
   assert not re.search(r"tensor<[^>]*\b512x1024", text)
+
+
+def test_table_gradients_in_the_dq_kernel_against_float64():
+  """score_mod reads a [N, 2M+1] table at clip(s - t), a [2L+1] table at clip(t - s) and
+  a slope at n: the dq kernel gives each table read a gradient row per query tile, summed
+  outside. Grouped heads, B = 2, T != S (three query tiles, two kv tiles: a row of
+  query tile 0 skips the EMPTY kv tile 1), against the float64 gradient of the bias the
+  tables add and float64 central differences; the same bits twice."""
+  Bg, Tg, Sg, Ng, M, L = 2, 40, 200, 4, 6, 2
+  r = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(r.normal(size=(Bg, n_, h, 32)), jnp.float32)
+             for n_, h in ((Tg, Ng), (Sg, 2), (Sg, 2)))
+  table = jnp.asarray(r.normal(size=(Ng, 2 * M + 1)), jnp.float32)
+  table1 = jnp.asarray(r.normal(size=(2 * L + 1,)), jnp.float32)
+  slopes = jnp.asarray(r.uniform(0.0, 0.1, Ng), jnp.float32)
+  cot = r.normal(size=(Bg, Tg, Ng, 32))
+  t, s = np.arange(Tg)[:, None], np.arange(Sg)[None]
+  index, index1 = np.clip(s - t, -M, M) + M, np.clip(t - s, -L, L) + L  # [T, S]
+  allowed = np.broadcast_to(s <= t + 100, (Bg, Ng, Tg, Sg))
+
+  def mod(table, table1, slopes):
+    def score(x, b, n, t, s):
+      rel = table[n, jnp.clip(s - t, -M, M) + M] + 0.5 * table1[jnp.clip(t - s, -L, L) + L]
+      return x + rel + slopes[n] * (s - t).astype(x.dtype)
+    return score
+
+  def loss(table, table1, slopes):
+    out = _run(q, k, v, score_mod=mod(table, table1, slopes),
+               mask_mod=lambda b, n, t, s: s <= t + 100, block_q=16)[0]
+    return jnp.sum(out * cot)
+
+  def bias(table, table1, slopes):  # float64 [B, N, T, S]
+    return np.broadcast_to(table[:, index] + 0.5 * table1[index1] + slopes[:, None, None]
+                           * (s - t), (Bg, Ng, Tg, Sg))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  got = grad(table, table1, slopes)
+  plain = [np.asarray(x, np.float64) for x in (table, table1, slopes)]
+  out, *_, d_bias = reference_vjp(q, k, v, cot, bias(*plain), mask=allowed)
+  want = (table_grad(d_bias, index, 2 * M + 1), table_grad(d_bias, index1, 2 * L + 1).sum(0)
+          * 0.5, np.einsum("bnts,ts->n", d_bias, (s - t) * 1.0))
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+  d = r.normal(size=table.shape)  # central differences along d, float64
+  moved = lambda e: np.sum(reference_vjp(q, k, v, cot, bias(plain[0] + e * d, *plain[1:]),
+                                         mask=allowed)[0] * cot)
+  np.testing.assert_allclose(np.sum(got[0] * d), (moved(1e-4) - moved(-1e-4)) / 2e-4,
+                             rtol=1e-4)
+  again = grad(table, table1, slopes)
+  assert all(np.array_equal(a, b) for a, b in zip(again, got))
 
 
 def test_block_tables_past_the_smem_budget_turn_skipping_off():

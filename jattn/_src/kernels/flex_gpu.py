@@ -25,9 +25,9 @@ and their non-EMPTY query tiles, summed in registers: no atomics), recomputing
 the weights from out and lse. Gradients into score_mod's captured float arrays
 read one element at a time (ALiBi slopes, a [B, N] table, a traced cap): the dq
 kernel writes, per program, each read's gradient and its flat index, and XLA sums
-them by a one-hot contraction (no atomics: the same bits every run). A table
-read at positions (a relative bias) gets its gradient from jattn's blockwise
-backward in pure JAX (exact; XLA drops it when nothing asks for it).
+them by a one-hot contraction (no atomics: the same bits every run). A table read
+at positions (a relative bias) likewise: each dq program writes a gradient row of
+the table's width and the table row it read (`table_grads`).
 The kernels are in `flex_gpu_kernels`; docs/gpu_kernel.md has the design.
 """
 
@@ -49,6 +49,9 @@ _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 # tiles and 4 warps are the usual FlashAttention-2 choice for head sizes <= 128.
 _BLOCK = 64
 _MIN_BLOCK = 16  # Triton's dot takes operands of at least 16 x 16
+# The widest table read at positions: the dq kernel holds a row of its gradient per read
+# in registers (1024 float32 over 128 threads: 8 each). Not measured on a GPU.
+_MAX_TABLE = 1024
 # The widest padded head whose tiles fit a Hopper SM's 227 KiB of shared memory, by bytes
 # per element: on an H200 (jax 0.11.2, causal, forward and backward), float32 ran at
 # 128 and failed at 256 ("Shared memory size limit exceeded"); 16-bit floats ran at 256.
@@ -71,18 +74,25 @@ class Plan(kernel_plan.TilePlan):
   # tile evaluation reads them: the dq kernel returns one gradient per read
   score_reads: tuple = ()
   # (const index, ...): score_mod's tables read at positions (a relative bias), by a
-  # gather load; the gradients of its captured arrays by the blockwise backward
+  # gather load
   score_tables: tuple = ()
   num_warps: int = 4
   num_stages: int = 2
   # positions are global from traced offsets (a ring step's): not wired on GPU yet
   offsets: bool = False
+  # const index of each read of a float table at positions, in evaluation order: the
+  # dq kernel returns one gradient row per read and query tile (`table_grads`)
+  table_reads: tuple = ()
   # the forward also writes each row's running max m (return_max_logits)
   max_logits: bool = False
 
   @property
   def reads_padded(self) -> int:  # the dq kernel's vector of read gradients
     return max(_MIN_BLOCK, _next_power_of_two(len(self.score_reads)))
+
+  @property
+  def table_reads_padded(self) -> int:  # the dq kernel's vector of the table rows read
+    return max(_MIN_BLOCK, _next_power_of_two(len(self.table_reads)))
 
   @property
   def H_padded(self) -> int:  # Triton's tiles have power-of-two sides
@@ -133,6 +143,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   facts = kernel_plan.mods_facts(m.mods, smem=False)
   if isinstance(facts, str):
     return facts
+  if facts.table_width > _MAX_TABLE:
+    return (f"score_mod: a table of width {facts.table_width} read at positions; the dq "
+            f"kernel sums its gradient in a row of at most {_MAX_TABLE} entries")
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
   plan = Plan(B, T, S, N, K, H, D, _tile(T, block_q), _tile(S, block_kv), float(m.scale),
               bool(st.is_causal), window, facts.has_mask, facts.has_score, bool(interpret),
@@ -140,6 +153,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
               q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
               segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
               score_reads=facts.score_reads, score_tables=facts.score_tables,
+              table_reads=facts.table_reads,
               max_logits=bool(return_max_logits))
   return dataclasses.replace(plan, **(_LAUNCH.get() or {}))
 

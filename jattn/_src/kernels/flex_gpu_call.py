@@ -31,5 +31,5 @@ def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
 
 
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`: the
-# kernels under jattn's kernel VJP (sinks after the forward, score_mod's tables by blockwise)
+# kernels under jattn's kernel VJP (sinks after the forward)
 run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
-from jattn._src.kernels import tile_mods
+from jattn._src.kernels import table_grads, tile_mods
 from jattn._src.kernels.kernel_inputs import TileMods as _Mods
 from jattn._src.kernels.kernel_inputs import as_int_or_float as _as_int_or_float
 from jattn._src.kernels.kernel_inputs import flat as _flat
@@ -168,18 +168,22 @@ def _logits(p: Plan, r: _Reads, b, n, i, j, q, k, *, full, with_vjp=False):
   d_score). full: causal, window and mask_mod hide nothing in this tile (its block
   class): only lengths, segments and padding apply. with_vjp: d_score(ds) -> (ds
   through score_mod, (d each float read of a captured array: scalars, in the order
-  of `Plan.score_reads`), (its flat index in its array: int32 scalars)).
+  of `Plan.score_reads`), (its flat index in its array: int32 scalars), (d each float
+  table read: [bq, bk] tiles), ((its table row: an int32 scalar, its indices: int32
+  [bq, bk]), ...), in the order of `Plan.table_reads`).
   """
   tm, bq, bk = r.tm, p.block_q, p.block_kv
   tile = (bq, bk)
   s = _dot(q, k, ((1,), (1,)), q.dtype) * p.scale  # [bq, bk]
   t_pos = jnp.broadcast_to(i * bq + jnp.arange(bq, dtype=jnp.int32)[:, None], tile)
   s_pos = jnp.broadcast_to(j * bk + jnp.arange(bk, dtype=jnp.int32)[None, :], tile)
-  d_score = lambda ds: (ds, (), ())
+  d_score = lambda ds: (ds, (), (), (), ())
   if tm.score_jaxpr is not None:
+    R = len(p.score_reads)
+
     def score(x, *eps):
       # each float read plus its own zero eps: d loss / d eps = the read's gradient
-      base, flats = r.read(r.score_consts, tm.score_meta), []
+      base, flats, at = r.read(r.score_consts, tm.score_meta), [], []
 
       def read(ci, flat):
         value = base(ci, flat)
@@ -188,13 +192,17 @@ def _logits(p: Plan, r: _Reads, b, n, i, j, q, k, *, full, with_vjp=False):
           flats.append(flat)
         return value
 
+      read_table = r.read_table
+      if eps:  # a zero tile per table read: d loss / d it = the read's gradient
+        read_table = table_grads.perturbed(read_table, tm.score_meta, eps[R:], at)
       y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
-                             tile, positions={3: "t", 4: "s"}, read_table=r.read_table)[0]
-      return jnp.broadcast_to(y, tile).astype(jnp.float32), tuple(flats)
+                             tile, positions={3: "t", 4: "s"}, read_table=read_table)[0]
+      return jnp.broadcast_to(y, tile).astype(jnp.float32), (tuple(flats), tuple(at))
     if with_vjp:
-      eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads)
-      s, vjp, flats = jax.vjp(score, s, *eps, has_aux=True)
-      d_score = lambda ds: (lambda g: (g[0], g[1:], flats))(vjp(ds))
+      eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads) + table_grads.zeros(
+          tm.score_meta, p.table_reads, tile)
+      s, vjp, (flats, at) = jax.vjp(score, s, *eps, has_aux=True)
+      d_score = lambda ds: (lambda g: (g[0], g[1:1 + R], flats, g[1 + R:], at))(vjp(ds))
     else:
       s = score(s)[0]
   keep = tile_keep(p, t_pos, s_pos, t_pos, s_pos, full)  # no offsets on GPU yet
@@ -313,14 +321,21 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
   stat = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
   reads = pl.BlockSpec((None, None, None, p.reads_padded), lambda b, n, i: (b, n, i, 0))
   nq = Tp // bq
-  dq, d_reads, flats = _call(
+  out_specs = [row(Hp), reads, reads]
+  out_shape = [jax.ShapeDtypeStruct((p.B, p.N, Tp, Hp), jnp.float32),
+               jax.ShapeDtypeStruct((p.B, p.N, nq, p.reads_padded), jnp.float32),
+               jax.ShapeDtypeStruct((p.B, p.N, nq, p.reads_padded), jnp.int32)]
+  if p.table_reads:  # per program: a gradient row per table read, the table rows read
+    TRp, Wp = _table_rows(p, tm)
+    out_specs += [pl.BlockSpec((None, None, None, TRp, Wp), lambda b, n, i: (b, n, i, 0, 0)),
+                  pl.BlockSpec((None, None, None, p.table_reads_padded),
+                               lambda b, n, i: (b, n, i, 0))]
+    out_shape += [jax.ShapeDtypeStruct((p.B, p.N, nq, TRp, Wp), jnp.float32),
+                  jax.ShapeDtypeStruct((p.B, p.N, nq, p.table_reads_padded), jnp.int32)]
+  dq, d_reads, flats, *table_parts = _call(
       functools.partial(_dq_kernel, p=p, tm=tm), (p.B, p.N, nq),
       [row(Hp), kv_all(Hp), kv_all(Dp), row(Dp), stat, stat] + [_whole(x) for x in extras],
-      [row(Hp), reads, reads],
-      [jax.ShapeDtypeStruct((p.B, p.N, Tp, Hp), jnp.float32),
-       jax.ShapeDtypeStruct((p.B, p.N, nq, p.reads_padded), jnp.float32),
-       jax.ShapeDtypeStruct((p.B, p.N, nq, p.reads_padded), jnp.int32)], p,
-      "jattn_flex_gpu_dq")(q, k, v, do, lse, delta, *extras)
+      out_specs, out_shape, p, "jattn_flex_gpu_dq")(q, k, v, do, lse, delta, *extras)
 
   # dk, dv: a program per kv tile of kv head h, over the G query heads of h and their
   # query tiles; the group is summed in registers (no atomics)
@@ -342,14 +357,29 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
   dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
   if not layout.has_batch:
     dq, dk, dv = dq[0], dk[0], dv[0]
-  return dq, dk, dv, _consts_grads(p, tm, d_reads, flats)
+  return dq, dk, dv, _consts_grads(p, tm, d_reads, flats, table_parts)
 
 
-def _consts_grads(p: Plan, tm: _Mods, d_reads, flats) -> tuple:
-  """float32 gradient of each float array score_mod reads one element at a time (None for
-  the others), from the dq kernel's per-program partials: summed by XLA in a fixed
-  order (a one-hot contraction: no scatter, no atomics), the same bits every run."""
+def _table_rows(p: Plan, tm: _Mods) -> tuple[int, int]:
+  """(rows, width) of a dq program's table gradients: powers of two (Triton's tiles),
+  one row per table read, as wide as the widest table it reads."""
+  width = max(tm.score_meta[ci][0][-1] for ci in p.table_reads)
+  pow2 = lambda x: 1 << max(0, (x - 1).bit_length())
+  return pow2(len(p.table_reads)), max(16, pow2(width))
+
+
+def _consts_grads(p: Plan, tm: _Mods, d_reads, flats, table_parts) -> tuple:
+  """float32 gradient of each float array score_mod reads one element at a time or as a
+  table at positions (None for the others), from the dq kernel's per-program partials:
+  summed by XLA in a fixed order (a one-hot contraction: no scatter, no atomics), the
+  same bits every run."""
   grads = [None] * len(tm.score_meta)
+  if p.table_reads:
+    TR = len(p.table_reads)
+    parts, rows = table_parts  # [B, N, nq, TRp, Wp], [B, N, nq, TRp]
+    for ci, g in table_grads.sum_partials(tm.score_meta, p.table_reads, parts[..., :TR, :],
+                                          rows[..., :TR]).items():
+      grads[ci] = g
   R = len(p.score_reads)
   d_reads, flats = d_reads[..., :R], flats[..., :R]  # [B, N, nq, R]; -1: no tile visited
   for ci, (shape, dtype) in enumerate(tm.score_meta):
@@ -362,46 +392,64 @@ def _consts_grads(p: Plan, tm: _Mods, d_reads, flats) -> tuple:
   return tuple(grads)
 
 
-def _tile_grads(p, r, b, n, i, j, q, k, v, do, lse, delta, full):
+def _tile_grads(p, r, b, n, i, j, q, k, v, do, lse, delta, full, d_tables=None):
   """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32, d reads [Rp], their flat
-  indices [Rp] int32 (-1 past the reads))."""
+  indices [Rp] int32 (-1 past the reads)); given d_tables float32 [TRp, Wp] (row r:
+  table read r's gradient so far), also (d_tables with this tile's added, the table
+  row of each table read [TRp'] int32)."""
   s, keep, d_score = _logits(p, r, b, n, i, j, q, k, full=full, with_vjp=True)
   probs = jnp.exp(s - lse[:, None])
   if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
     probs = jnp.where(keep, probs, 0.0)
   dp = _dot(do, v, ((1,), (1,)), v.dtype)  # dP [bq, bk] = dO v^T
-  ds, d_reads, flats = d_score(probs * (dp - delta[:, None]))
+  ds, d_reads, flats, d_tiles, at = d_score(probs * (dp - delta[:, None]))
   lane = jnp.arange(p.reads_padded, dtype=jnp.int32)
   d_vec = jnp.zeros((p.reads_padded,), jnp.float32)
   f_vec = jnp.full((p.reads_padded,), -1, jnp.int32)
   for slot, (d, f) in enumerate(zip(d_reads, flats)):  # a vector of the scalars
     d_vec = jnp.where(lane == slot, d, d_vec)
     f_vec = jnp.where(lane == slot, f, f_vec)
-  return probs, ds * p.scale, d_vec, f_vec
+  if d_tables is None:
+    return probs, ds * p.scale, d_vec, f_vec
+  read = jax.lax.broadcasted_iota(jnp.int32, d_tables.shape, 0)
+  entry = jax.lax.broadcasted_iota(jnp.int32, d_tables.shape, 1)
+  slot = jnp.arange(p.table_reads_padded, dtype=jnp.int32)
+  rows = jnp.full((p.table_reads_padded,), -1, jnp.int32)
+  for t, (d, (row, index)) in enumerate(zip(d_tiles, at)):  # row t of d_tables: read t's
+    d_tables = table_grads.add_by_index(d_tables, jnp.where(read == t, entry, -1),
+                                        d.astype(jnp.float32), index)
+    rows = jnp.where(slot == t, row, rows)
+  return probs, ds * p.scale, d_vec, f_vec, d_tables, rows
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods):
   """dq of one query tile; with score_mod's float reads, also their gradients summed over
-  the tile's kv tiles and their flat indices (one [Rp] vector each per program)."""
-  r = _Reads(p, tm, refs[:-3])
-  dq_ref, dr_ref, fr_ref = refs[-3:]
+  the tile's kv tiles and their flat indices (one [Rp] vector each per program); with
+  its float table reads, their gradient rows so summed [TRp, Wp] and the table rows."""
+  outs = 5 if p.table_reads else 3  # dq, read gradients and indices, table rows and rows
+  r = _Reads(p, tm, refs[:-outs])
+  out_refs = refs[-outs:]
   b, n, i = (pl.program_id(a) for a in range(3))
   bk = p.block_kv
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
   def body(step, carry):
-    dq, d_reads, _ = carry
+    dq, d_reads, _, *d_tables = carry
     j = r.kv_tile(b, n, i, step)
     k = k_ref[pl.ds(j * bk, bk), :]
     v = v_ref[pl.ds(j * bk, bk), :]
-    _, ds, d_tile, flats = _by_class(r, b, n, i, j, lambda full: _tile_grads(
-        p, r, b, n, i, j, q, k, v, do, lse, delta, full))
+    _, ds, d_tile, flats, *tables = _by_class(r, b, n, i, j, lambda full: _tile_grads(
+        p, r, b, n, i, j, q, k, v, do, lse, delta, full, *d_tables[:1]))
     # dQ += dS k
-    return dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)), k.dtype), d_reads + d_tile, flats
+    return (dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)), k.dtype), d_reads + d_tile, flats,
+            *tables)
 
-  init = (jnp.zeros(dq_ref.shape, jnp.float32), jnp.zeros(dr_ref.shape, jnp.float32),
-          jnp.full(fr_ref.shape, -1, jnp.int32))
-  dq_ref[...], dr_ref[...], fr_ref[...] = jax.lax.fori_loop(0, r.kv_count(b, n, i), body, init)
+  init = (jnp.zeros(out_refs[0].shape, jnp.float32), jnp.zeros(out_refs[1].shape, jnp.float32),
+          jnp.full(out_refs[2].shape, -1, jnp.int32))
+  if p.table_reads:  # no kv tile visited: table row -1
+    init += (jnp.zeros(out_refs[3].shape, jnp.float32), jnp.full(out_refs[4].shape, -1, jnp.int32))
+  for ref, x in zip(out_refs, jax.lax.fori_loop(0, r.kv_count(b, n, i), body, init)):
+    ref[...] = x
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods):

@@ -21,7 +21,8 @@ The kernels are in `flex_tpu_kernels`; docs/tpu_kernel.md has the whole design.
 Backward: a custom VJP with two Pallas kernels recomputing the weights from
 out and lse (`backward`); gradients into sinks by XLA from (out, lse, d out);
 gradients into score_mod's captured float arrays: the dq kernel writes, per
-program, the gradient of each SMEM read and the read's index, and XLA sums them.
+program, the gradient of each SMEM read and the read's index, and per query tile a
+row of each table read at positions (`table_grads`); XLA sums them.
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ class Plan(kernel_plan.TilePlan):
   # ((const index, "t" or "s"), ...): mask_mod's per-token arrays, read as blocks
   mask_rows: tuple = ()
   # (const index, ...): score_mod's tables read at a tile of indices (a relative bias),
-  # in VMEM, gathered along the lanes; their gradients by the blockwise backward
+  # in VMEM, gathered along the lanes
   score_tables: tuple = ()
   # the queries and keys start at traced global positions (a ring step's ranges),
   # passed to the kernels as two int32 scalars by scalar prefetch (`step_forward`)
   offsets: bool = False
+  # const index of each read of a float table at positions, in evaluation order: the
+  # dq kernel returns one gradient row per read and query tile (`table_grads`)
+  table_reads: tuple = ()
   # the forward also writes each row's running max m (return_max_logits)
   max_logits: bool = False
 
@@ -118,5 +122,5 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
               window, has_mask, facts.has_score, bool(interpret), score_reads, skip,
-              facts.mask_rows, score_tables, bool(offsets),
+              facts.mask_rows, score_tables, bool(offsets), facts.table_reads,
               max_logits=bool(return_max_logits))

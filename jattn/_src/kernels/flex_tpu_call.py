@@ -30,8 +30,7 @@ def _backward(*args):
 
 
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`:
-# the kernels under jattn's kernel VJP (sinks after the forward, score_mod's tables by
-# blockwise)
+# the kernels under jattn's kernel VJP (sinks after the forward)
 run = kernel_vjp.kernel_run(
     lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods),
     lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
@@ -61,13 +60,8 @@ def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Mod
   score_mod's float arrays' gradients (None for the others))."""
   mods = None if modifiers.mods is None else modifiers.mods.traced()
   plan_ = kernel_plan.for_trace(plan_, mods)
-  d_q, d_k, d_v, d_consts = _backward(plan_, layout, query, key, value, mods, out, lse, d_out,
-                                     _offsets(q_offset, kv_offset))
-  if plan_.score_tables:
-    d_consts = kernel_vjp.blockwise_score_grads(plan_, layout, query, key, value,
-                                                 modifiers.replace(mods=mods), out, lse, d_out,
-                                                 q_offset, kv_offset)
-  return d_q, d_k, d_v, d_consts
+  return _backward(plan_, layout, query, key, value, mods, out, lse, d_out,
+                   _offsets(q_offset, kv_offset))
 
 
 def _offsets(q_offset, kv_offset):

@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
-from jattn._src.kernels import tile_mods
+from jattn._src.kernels import table_grads, tile_mods
 from jattn._src.kernels.flex_tpu import LANES
 from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
@@ -163,7 +163,9 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
   -> (s float32 [bq, bk] with LARGE_NEGATIVE where masked, keep bool [bq, bk]
   or None when nothing is masked, d_score). with_vjp: d_score(ds) -> ds through
   score_mod; read_grads also: -> (that, (d every float read: scalars), (its flat
-  index into its array: int32 scalars)), in the order of `Plan.score_reads`.
+  index into its array: int32 scalars)), in the order of `Plan.score_reads`, (d every
+  float table read: float [bq, bk] tiles), ((its table row: an int32 scalar, its
+  indices: int32 [bq, bk]), ...), in the order of `Plan.table_reads`.
   full: a FULL tile, where causal, window and mask_mod hide nothing: only the
   padding is masked. origin: global position of the first query and key (int32
   scalars read from SMEM under `Plan.offsets`), added to the tile's positions for the
@@ -180,9 +182,11 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
   t_pos, s_pos = (t_loc, s_loc) if not p.offsets else (t_loc + origin[0], s_loc + origin[1])
   d_score = lambda ds: ds
   if tm.score_jaxpr is not None:
+    R = len(p.score_reads)
+
     def score(x, *eps):
       # each float read plus its own zero eps: d loss / d eps = the read's gradient
-      base, flats = _reader(score_refs, tm.score_meta), []
+      base, flats, at = _reader(score_refs, tm.score_meta), [], []
 
       def read(ci, flat):
         value = base(ci, flat)
@@ -191,17 +195,22 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
           flats.append(flat)
         return value
 
+      read_table = _table_reader(p, row_refs[len(p.mask_rows):])
+      if read_grads:  # a zero tile per table read: d loss / d it = the read's gradient
+        read_table = table_grads.perturbed(read_table, tm.score_meta, eps[R:], at)
       y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
-                             tile, positions={3: "t", 4: "s"},
-                             read_table=_table_reader(p, row_refs[len(p.mask_rows):]))[0]
-      return jnp.broadcast_to(y, tile).astype(jnp.float32), tuple(flats)
+                             tile, positions={3: "t", 4: "s"}, read_table=read_table)[0]
+      return jnp.broadcast_to(y, tile).astype(jnp.float32), (tuple(flats), tuple(at))
     if with_vjp:
-      eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads) if read_grads else ()
-      s, vjp, flats = jax.vjp(score, s, *eps, has_aux=True)
+      eps = ()
+      if read_grads:
+        eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads) + table_grads.zeros(
+            tm.score_meta, p.table_reads, tile)
+      s, vjp, (flats, at) = jax.vjp(score, s, *eps, has_aux=True)
       if read_grads:
         def d_score(ds):
           grads = vjp(ds)
-          return grads[0], grads[1:], flats
+          return grads[0], grads[1:1 + R], flats, grads[1 + R:], at
       else:
         d_score = lambda ds: vjp(ds)[0]
     else:
@@ -470,6 +479,14 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
     dq_out_specs += [tile8, tile8]
     dq_out_shape += [jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.float32),
                      jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.int32)]
+  TR = len(p.table_reads)
+  if TR:  # per program (b, n, i), over its kv tiles: an [8, bk] gradient row per table
+    # read (entry w along the lanes), and an [8, 128] tile of the table rows they read
+    per_row = lambda b, n, i, j, *_: (b, n, i, 0, 0)
+    dq_out_specs += [pl.BlockSpec((None, None, None, 8 * TR, bk), per_row),
+                     pl.BlockSpec((None, None, None, 8, _LANES), per_row)]
+    dq_out_shape += [jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * TR, bk), jnp.float32),
+                     jax.ShapeDtypeStruct((p.B, p.N, nq, 8, _LANES), jnp.int32)]
   dq, *read_parts = pl.pallas_call(
       functools.partial(_dq_kernel, p=p, tm=tm, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -530,9 +547,17 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
 
 def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple:
   """float32 gradient of each float array score_mod captured (None for the others),
-  from the dq kernel's per-program read gradients: summed by XLA in a fixed order
-  (a one-hot contraction, no scatter, no atomics), so the same bits every run."""
+  from the dq kernel's per-program read gradients and table rows: summed by XLA in a
+  fixed order (a one-hot contraction, no scatter, no atomics), so the same bits every run."""
   grads = [None] * len(tm.score_meta)
+  if p.table_reads:
+    TR = len(p.table_reads)
+    parts, rows = read_parts[-2:]
+    read_parts = read_parts[:-2]
+    parts = parts.reshape(p.B, p.N, nq, TR, 8, p.block_kv)[..., 0, :]  # [B, N, nq, TR, bk]
+    for ci, g in table_grads.sum_partials(tm.score_meta, p.table_reads, parts,
+                                          rows[..., 0, :TR]).items():
+      grads[ci] = g
   if not p.score_reads:
     return tuple(grads)
   R = len(p.score_reads)
@@ -541,7 +566,7 @@ def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple
   # [B, N, R]: a read's index depends on b and n alone; EMPTY tiles wrote -1
   flats = jnp.max(flats, axis=(2, 3))
   for ci, (shape, dtype) in enumerate(tm.score_meta):
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if ci not in p.score_reads:  # an int array, or a table (its gradient is above)
       continue
     size = int(np.prod(shape, dtype=np.int64))
     mine = np.asarray([r == ci for r in p.score_reads])  # [R]
@@ -554,7 +579,8 @@ def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple
 def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grads=False,
                 full=False, row_refs=(), origin=(0, 0)):
   """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32); read_grads: also the
-  gradients of the float reads of score_mod's arrays and their flat indices."""
+  gradients of the float reads of score_mod's arrays and their flat indices, and those
+  of its table reads (tiles) and where they read (`_tile_logits`)."""
   s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
                                   read_grads=read_grads, full=full, row_refs=row_refs,
                                   origin=origin)
@@ -565,8 +591,8 @@ def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grad
   dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   ds = probs * (dp - _lanes(delta, p.block_kv))
   if read_grads:
-    d_x, d_reads, flats = d_score(ds)
-    return probs, d_x * p.scale, d_reads, flats
+    d_x, *rest = d_score(ds)
+    return (probs, d_x * p.scale, *rest)
   return probs, d_score(ds) * p.scale
 
 
@@ -575,24 +601,27 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
   reads = bool(p.score_reads)
   nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
-  row_refs, rest = rest[6:6 + nr], rest[6 + nr:]
-  if reads:  # one [8, 128] tile per program: lane r holds read r's gradient / flat index
-    dq_ref, dr_ref, fr_ref, dq_sc = rest
-  else:
-    dq_ref, dq_sc = rest
-    dr_ref = fr_ref = None
+  row_refs, rest = rest[6:6 + nr], list(rest[6 + nr:])
+  dq_ref, dq_sc = rest.pop(0), rest.pop()
+  # one [8, 128] tile per program: lane r holds read r's gradient / flat index
+  dr_ref, fr_ref = (rest.pop(0), rest.pop(0)) if reads else (None, None)
+  # gradient rows of the table reads [8 TR, bk], the table rows they read [8, 128]
+  dt_ref, tr_ref = (rest.pop(0), rest.pop(0)) if p.table_reads else (None, None)
   b, n, i, j = (pl.program_id(a) for a in range(4))
 
   @pl.when(j == 0)
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+    if dt_ref is not None:  # summed over j; no tile read: row -1
+      dt_ref[...] = jnp.zeros(dt_ref.shape, jnp.float32)
+      tr_ref[...] = jnp.full(tr_ref.shape, -1, jnp.int32)
 
   if reads:  # an EMPTY tile reads nothing: gradient 0 at index -1
     dr_ref[...] = jnp.zeros(dr_ref.shape, jnp.float32)
     fr_ref[...] = jnp.full(fr_ref.shape, -1, jnp.int32)
   _gated(tables, table_refs, b, n, i, j, lambda full: _dq_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_sc,
-      dr_ref, fr_ref, full, row_refs, origin))
+      dr_ref, fr_ref, full, row_refs, origin, dt_ref, tr_ref))
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -600,13 +629,21 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
 
 
 def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-             dq_sc, dr_ref, fr_ref, full, row_refs, origin):
+             dq_sc, dr_ref, fr_ref, full, row_refs, origin, dt_ref, tr_ref):
   reads = dr_ref is not None
   k = k_ref[...]
   got = _tile_grads(p, tm, smem_refs, b, n, i, j, q_ref[...], k, v_ref[...], do_ref[...],
-                    lse_ref[...], delta_ref[...], read_grads=reads, full=full,
-                    row_refs=row_refs, origin=origin)
+                    lse_ref[...], delta_ref[...], read_grads=reads or dt_ref is not None,
+                    full=full, row_refs=row_refs, origin=origin)
   ds = got[1]
+  if dt_ref is not None:
+    entry = jax.lax.broadcasted_iota(jnp.int32, (8, p.block_kv), 1)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (8, _LANES), 1)
+    for r, (d, (row, index)) in enumerate(zip(got[4], got[5])):
+      rows = pl.ds(8 * r, 8)
+      dt_ref[rows, :] = table_grads.add_by_index(dt_ref[rows, :], entry,
+                                                 d.astype(jnp.float32), index)
+      tr_ref[...] = jnp.where(lane == r, row, tr_ref[...])
   if reads:
     lane = jax.lax.broadcasted_iota(jnp.int32, (8, _LANES), 1)
     d_tile = jnp.zeros((8, _LANES), jnp.float32)

@@ -82,10 +82,10 @@ class ModsFacts:
   """What a kernel needs to know of the mods (see `tile_mods.check`).
 
   score_reads: const index of each read of a float array captured by score_mod, in
-  evaluation order (empty when score_mod reads a table at positions: then all its
-  gradients come from the blockwise backward); mask_rows: ((const index, "t" or "s"),
-  ...), mask_mod's per-token arrays; score_tables: score_mod's tables read at positions;
-  table_width: the widest of those.
+  evaluation order; mask_rows: ((const index, "t" or "s"), ...), mask_mod's per-token
+  arrays; score_tables: score_mod's tables read at positions; table_width: the widest
+  of those; table_reads: const index of each read of a float table at positions, in
+  evaluation order (the dq kernels return one gradient row per read).
   """
 
   has_mask: bool = False
@@ -94,6 +94,7 @@ class ModsFacts:
   mask_rows: tuple = ()
   score_tables: tuple = ()
   table_width: int = 0
+  table_reads: tuple = ()
   mask_uses_b: bool = False
   mask_uses_n: bool = False
 
@@ -115,13 +116,13 @@ def mods_facts(mods, *, smem: bool) -> ModsFacts | str:
     got = tile_mods.check(jaxpr, tile_mods.consts_meta(consts), kind == "score_mod")
     if isinstance(got, str):
       return f"{kind}: {got}"
-    reads, rows, tables = got
+    reads, rows, tables, table_reads = got
     if smem:
       reason = tile_mods.check_consts(consts, skip={ci for ci, _ in rows} | set(tables))
       if reason:
         return f"{kind}: {reason}"
     if kind == "score_mod":
-      facts.update(score_reads=() if tables else reads, score_tables=tables,
+      facts.update(score_reads=reads, score_tables=tables, table_reads=table_reads,
                    table_width=max([np.shape(consts[ci])[-1] for ci in tables], default=0))
     else:
       facts.update(mask_rows=rows)
@@ -135,12 +136,13 @@ def for_trace(plan, mods):
   """The plan with the const indices of the trace of the mods that runs.
 
   A plan made from one trace may number the captured arrays otherwise than the trace
-  that runs (`tile_mods.const_indices`); a plan carries score_reads, mask_rows and
-  score_tables (a kernel without one of them ignores it)."""
+  that runs (`tile_mods.const_indices`); a plan carries score_reads, mask_rows,
+  score_tables and table_reads (a kernel without one of them ignores it)."""
   if mods is None:
     return plan
-  reads, rows, tables = tile_mods.const_indices(mods)
-  changes = dict(score_reads=() if tables else reads, mask_rows=rows, score_tables=tables)
+  reads, rows, tables, table_reads = tile_mods.const_indices(mods)
+  changes = dict(score_reads=reads, mask_rows=rows, score_tables=tables,
+                 table_reads=table_reads)
   fields = {f.name for f in dataclasses.fields(plan)}
   return dataclasses.replace(plan, **{k: v for k, v in changes.items() if k in fields})
 

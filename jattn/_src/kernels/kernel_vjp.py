@@ -1,9 +1,9 @@
-"""The custom VJP that jattn's own kernels ("flex_tpu", "flex_gpu") run under: the
-kernel's forward gives (out, lse, and its running row max when the plan asks for max
-logits: no gradient), sinks join after it (as in "blockwise"), the
-kernel's backward gives dq, dk, dv and the gradients of score_mod's scalar reads, and
-the gradients of score_mod's tables read at positions (or all of its arrays', for a
-kernel that gives none) come from the blockwise backward.
+"""The custom VJP that jattn's own kernels ("flex_tpu", "flex_gpu", "flex_mgpu") run
+under: the kernel's forward gives (out, lse, and its running row max when the plan asks
+for max logits: no gradient), sinks join after it (as in "blockwise"), the kernel's
+backward gives dq, dk, dv and the gradients of score_mod's arrays (its scalar reads' and
+its tables' read at positions), and for a kernel that gives none ("flex_mgpu") they come
+from the blockwise backward.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def kernel_run(forward, backward):
       o, d_o = with_batch(out, layout), with_batch(d_out, layout)
       d_sinks = None if mods.sinks is None else sinks_grad(
           o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
-      if plan.score_tables or (d_consts is None and plan.score_reads):
+      if d_consts is None and (plan.score_reads or plan.score_tables):
         d_consts = blockwise_score_grads(plan, layout, query, key, value, modifiers, out, lse,
                                          d_out)
       elif d_consts is None:  # no float array read: nothing to differentiate
@@ -91,9 +91,9 @@ def kernel_run(forward, backward):
 
 def blockwise_score_grads(plan, layout: Layout, query, key, value, modifiers, out, lse, d_out,
                           q_offset=0, kv_offset=0) -> tuple:
-  """Gradients into score_mod's float arrays when it reads a table at positions (a
-  relative bias): by jattn's blockwise backward (pure JAX, memory linear in T and S),
-  not in a kernel. Arrays in `layout` (with or without B); lse float32 [B, N, T]."""
+  """Gradients into score_mod's float arrays for a kernel that gives none: by jattn's
+  blockwise backward (pure JAX, memory linear in T and S), not in a kernel. Arrays in
+  `layout` (with or without B); lse float32 [B, N, T]."""
   q, k, v, o, d_o = (with_batch(x, layout) for x in (query, key, value, out, d_out))
   return blockwise_loop.backward_with_score_grads(
       q, k, v, modifiers, batched(layout), q_offset, kv_offset,

@@ -286,12 +286,16 @@ def check(jaxpr, meta, score: bool) -> str | tuple:
   the reads whose gradients the backward returns (`evaluate` always reads in this
   order), ((const index, "t" or "s"), ...) for the per-token arrays read by
   position: mask_mod only, (const index, ...) for the tables read at a tile of
-  indices: score_mod only)."""
+  indices: score_mod only, the const index of every read of a floating table at a
+  tile of indices, in evaluation order: the table reads whose gradients the
+  backward returns)."""
   tile = (8, 128)
-  reads, rows, tables = [], set(), set()
+  reads, rows, tables, table_reads = [], set(), set(), []
 
   def read_table(i, row, index):
     tables.add(i)
+    if jnp.issubdtype(meta[i][1], jnp.floating):
+      table_reads.append(i)
     return jnp.zeros(tile, meta[i][1])
 
   def read_block(i, letter, row):
@@ -323,19 +327,19 @@ def check(jaxpr, meta, score: bool) -> str | tuple:
     return str(e)
   if ({i for i, _ in rows} | tables) & scalar_reads:
     return "a captured array read both by position and as a scalar"
-  return tuple(reads), tuple(sorted(rows)), tuple(sorted(tables))
+  return tuple(reads), tuple(sorted(rows)), tuple(sorted(tables)), tuple(table_reads)
 
 
-def const_indices(mods) -> tuple[tuple, tuple, tuple]:
-  """(score_mod's float reads, mask_mod's per-token rows, score_mod's tables) of these
-  traced mods, as `check` gives them.
+def const_indices(mods) -> tuple[tuple, tuple, tuple, tuple]:
+  """(score_mod's float reads, mask_mod's per-token rows, score_mod's tables, its float
+  table reads) of these traced mods, as `check` gives them.
 
   A plan made from one trace of the mods must not be applied to another: a plan
   traced outside `jit` sees one array passed twice (`mods.document(ids)`: ids for
   the queries and the keys) as one captured array, the trace inside `jit` as two,
   so the const indices differ. The kernels take them from the trace they run.
   """
-  reads = rows = tables = ()
+  reads = rows = tables = table_reads = ()
   for kind, jaxpr, consts in (("mask_mod", mods.mask_jaxpr, mods.mask_consts),
                               ("score_mod", mods.score_jaxpr, mods.score_consts)):
     if jaxpr is None:
@@ -344,7 +348,7 @@ def const_indices(mods) -> tuple[tuple, tuple, tuple]:
     if isinstance(got, str):  # the plan took the same function: cannot happen
       raise AssertionError(f"{kind} planned for the kernel, then refused: {got}")
     if kind == "score_mod":
-      reads, tables = got[0], got[2]
+      reads, tables, table_reads = got[0], got[2], got[3]
     else:
       rows = got[1]
-  return reads, rows, tables
+  return reads, rows, tables, table_reads
