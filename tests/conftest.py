@@ -9,11 +9,15 @@ import os
 import pathlib
 import sys
 
-import jax
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
+
+from tests.compile_flags import xla_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = xla_flags()  # before jax is imported and makes its CPU backend
+
+import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_default_matmul_precision", "highest")

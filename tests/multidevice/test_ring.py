@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
+from tests.compile_flags import xla_flags
+
 HERE = pathlib.Path(__file__).resolve().parents[1]  # tests/
 
 
 def run_on_8_devices(script: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"),
              JAX_PLATFORMS="cpu", PYTHONPATH=str(HERE.parent))
   return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True,
                         text=True, timeout=900)

@@ -10,6 +10,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.compile_flags import xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -204,7 +206,7 @@ print(json.dumps({{"devices": jax.device_count(), "runs": runs}}))
 
 
 def _train_on(devices, meshes, workdir):
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={devices}"),
              JAX_PLATFORMS="cpu")
   code = _ON_DEVICES.format(root=str(ROOT), examples=str(ROOT / "examples"), meshes=meshes)
   result = subprocess.run([sys.executable, "-c", code, str(workdir)], env=env,
