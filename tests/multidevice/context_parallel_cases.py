@@ -175,25 +175,25 @@ def main():
   # later see no key. The cap sits below the largest raw logits. The ids and lengths are
   # arguments of the jitted call: traced, the balance deals zig-zag without reading them
   # (a shorter trace, and still out of order).
-  kw = lambda ids, lengths: dict(
+  max_kw = lambda ids, lengths: dict(
       is_causal=True, mask_mod=mods.document(ids), key_value_seq_lengths=lengths,
       score_mod=mods.soft_cap(1.0), return_residual=True, return_max_logits=True)
   arrays = (q, k, v, documents(np.random.default_rng(2), 16), jnp.asarray([T, 40], jnp.int32))
   run = lambda f: jax.tree.map(np.asarray, jax.jit(f)(*arrays))
   want = run(lambda q, k, v, *x: jattn.dot_product_attention(q, k, v, implementation="xla",
-                                                             **kw(*x)))
+                                                             **max_kw(*x)))
   bnth = lambda x: jnp.einsum("BTNH->BNTH", x)
 
   def ulysses_bnth(q, k, v, *x):  # its results back in the reference's layout
-    out, *rows = jattn.context_parallel_attention(*map(bnth, (q, k, v)), mesh=seq,
-                                                  strategy="ulysses", layout="BNTH", **kw(*x))
+    out, *rows = jattn.context_parallel_attention(
+        *map(bnth, (q, k, v)), mesh=seq, strategy="ulysses", layout="BNTH", **max_kw(*x))
     return jnp.einsum("BNTD->BTND", out), *(jnp.einsum("BNT->BTN", r) for r in rows)
 
   calls = {
       "ring through implementation='ring'": lambda q, k, v, *x: jattn.dot_product_attention(
-          q, k, v, implementation="ring", **kw(*x)),
+          q, k, v, implementation="ring", **max_kw(*x)),
       "all_gather": lambda q, k, v, *x: jattn.context_parallel_attention(
-          q, k, v, mesh=seq, strategy="all_gather", **kw(*x)),
+          q, k, v, mesh=seq, strategy="all_gather", **max_kw(*x)),
       "ulysses in the layout BNTH": ulysses_bnth}
   with jax.set_mesh(seq):
     for name, fn in calls.items():
