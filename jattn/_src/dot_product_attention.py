@@ -102,8 +102,8 @@ def dot_product_attention(
       is the sink's logit). From every implementation that runs on CPU and from
       jattn's kernels ("flex_tpu", "flex_gpu", "flex_mgpu"), which return
       their running row max; jax's kernels ("splash", "pallas", "cudnn") keep
-      theirs inside and refuse (None falls back to jattn's kernel); "ring"
-      refuses it (not wired yet).
+      theirs inside and refuse (None falls back to jattn's kernel); "ring" and
+      "context_parallel" keep a running max per device over the key chunks.
     mask_mod: mask_mod(b, n, t, s) -> bool for one entry (True = may attend),
       with global positions; ANDed with every other mask. See `jattn.mods`.
     score_mod: score_mod(score, b, n, t, s) -> float, applied to each float32
@@ -139,15 +139,11 @@ def dot_product_attention(
     (2, 16, 4, 8)
   """
   implementation = check_implementation(implementation, block_sizes)
-  if implementation == "ring" and return_max_logits:
-    raise ValueError("return_max_logits: implementation='ring' does not return max "
-                     "logits yet (its steps combine out and lse only); use a "
-                     "single-device implementation")
   kwargs = dict(scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                 key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
                 kv_segment_ids=kv_segment_ids, layout=layout,
-                return_residual=return_residual, mask_mod=mask_mod, score_mod=score_mod,
-                sinks=sinks, block_mask=block_mask)
+                return_residual=return_residual, return_max_logits=return_max_logits,
+                mask_mod=mask_mod, score_mod=score_mod, sinks=sinks, block_mask=block_mask)
   if implementation in ("ring", "context_parallel"):
     return from_context(
         implementation, query, key, value, bias, mask, local_window_size=local_window_size,
@@ -156,8 +152,7 @@ def dot_product_attention(
   call = make_call(query, key, value, bias, mask, local_window_size=local_window_size,
                    dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                    broadcast_dropout=broadcast_dropout, return_weights=return_weights,
-                   block_sizes=block_sizes, return_max_logits=return_max_logits,
-                   interpret=interpret.interpreting(), **kwargs)
+                   block_sizes=block_sizes, interpret=interpret.interpreting(), **kwargs)
   choices = dispatch.choose_all(call, implementation)
   dispatch.record(choices)
   out, weights, lse, max_logits = dispatch.compute(call, choices)

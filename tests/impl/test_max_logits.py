@@ -233,8 +233,9 @@ def test_bad_requests_name_the_argument():
   q = np.zeros((1, 8, 2, 4), np.float32)
   with raises(TypeError, "return_max_logits", "'yes'"):
     jattn.dot_product_attention(q, q, q, return_max_logits="yes")
-  with raises(ValueError, "return_max_logits", "ring"):
-    jattn.dot_product_attention(q, q, q, implementation="ring", return_max_logits=True)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+  with raises(TypeError, "return_max_logits", "'yes'"):  # the sequence-parallel call checks it
+    jattn.ring_attention(q, q, q, mesh=mesh, return_max_logits="yes")
   with raises(ValueError, "return_max_logits", "splash"):
     jattn.dot_product_attention(q, q, q, implementation="splash", return_max_logits=True)
 

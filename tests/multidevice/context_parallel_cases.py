@@ -8,8 +8,10 @@ ulysses): the output and the gradients with respect to q, k, v (and the sinks an
 slopes) against single-device "xla", each jitted once (forward and backward).
 "quick" (CI): all-gather with sinks and ALiBi (gradients of both), Ulysses with a
 per-head mask_mod (the head offsets), the ring in a random order of 4 chunks per device
-on 16 documents, that order's inverse, Ulysses on Explicit axes; "all": every mask and
-strategy, also Explicit and Auto axes for the others and strategy=None.
+on 16 documents, that order's inverse, Ulysses on Explicit axes, and each strategy's
+out, lse and max logits (return_max_logits, forward only) on documents with empty rows
+and a soft-cap; "all": every mask and strategy, also Explicit and Auto axes for the
+others and strategy=None.
 Prints one "ok  " or "FAIL" line per check; exits non-zero on any failure.
 """
 
@@ -31,6 +33,7 @@ TOL = 3e-5  # float32, relative to the largest reference entry (at least 1)
 B, T, N, K, H, D = 2, 64, 8, 8, 4, 3  # Ulysses on 8 devices needs N and K divisible by 8
 STRATEGIES = ("ring", "all_gather", "ulysses")
 QUICK = {("sinks + ALiBi, causal", "all_gather"), ("hand-written per-head mask_mod", "ulysses")}
+EMPTY_ROW = np.float32(-0.7 * np.finfo(np.float32).max)  # lse and max logits of no key
 
 
 def documents(rng, count):
@@ -57,6 +60,23 @@ def check(name, fn, ref, arrays):
   ok = all(e <= TOL for e in errors) and all(np.all(np.isfinite(g)) for g in got)
   print(f"{'ok  ' if ok else 'FAIL'} {name}: relative max |err| out, grads = "
         + ", ".join(f"{e:.1e}" for e in errors), flush=True)
+  if not ok and os.environ.get("JATTN_FAIL_FAST"):
+    sys.exit(1)
+  return ok
+
+
+def check_rows(name, got, want):
+  """(out, lse, max logits) against the reference's, forward only: the rows that see no key
+  exactly (EMPTY_ROW; an error relative to it would pass anything), the others within
+  TOL; the reference must hold both kinds of row."""
+  empty = want[2] == EMPTY_ROW  # [B, T, N]
+  errors = [np.max(np.abs(got[0] - want[0]))] + [
+      np.max(np.where(empty, 0.0, np.abs(a - b))) for a, b in zip(got[1:], want[1:])]
+  ok = (empty.any() and not empty.all() and all(e <= TOL for e in errors)
+        and all(np.array_equal(a[empty], b[empty]) for a, b in zip(got[1:], want[1:])))
+  print(f"{'ok  ' if ok else 'FAIL'} {name}: max |err| out, lse, max logits = "
+        + ", ".join(f"{e:.1e}" for e in errors) + f"; {empty.sum()} rows see no key",
+        flush=True)
   if not ok and os.environ.get("JATTN_FAIL_FAST"):
     sys.exit(1)
   return ok
@@ -149,6 +169,36 @@ def main():
         print(f"{'ok  ' if good else 'FAIL'} Explicit axes, {strategy}: the output keeps "
               f"the query's sharding: {spec}")
         ok &= good
+
+  # return_max_logits: a running max per device, home in the caller's order and layout.
+  # Causal documents, and batch row 1's keys cut at 40: its rows of documents that start
+  # later see no key. The cap sits below the largest raw logits. The ids and lengths are
+  # arguments of the jitted call: traced, the balance deals zig-zag without reading them
+  # (a shorter trace, and still out of order).
+  max_kw = lambda ids, lengths: dict(
+      is_causal=True, mask_mod=mods.document(ids), key_value_seq_lengths=lengths,
+      score_mod=mods.soft_cap(1.0), return_residual=True, return_max_logits=True)
+  arrays = (q, k, v, documents(np.random.default_rng(2), 16), jnp.asarray([T, 40], jnp.int32))
+  run = lambda f: jax.tree.map(np.asarray, jax.jit(f)(*arrays))
+  want = run(lambda q, k, v, *x: jattn.dot_product_attention(q, k, v, implementation="xla",
+                                                             **max_kw(*x)))
+  bnth = lambda x: jnp.einsum("BTNH->BNTH", x)
+
+  def ulysses_bnth(q, k, v, *x):  # its results back in the reference's layout
+    out, *rows = jattn.context_parallel_attention(
+        *map(bnth, (q, k, v)), mesh=seq, strategy="ulysses", layout="BNTH", **max_kw(*x))
+    return jnp.einsum("BNTD->BTND", out), *(jnp.einsum("BNT->BTN", r) for r in rows)
+
+  calls = {
+      "ring through implementation='ring'": lambda q, k, v, *x: jattn.dot_product_attention(
+          q, k, v, implementation="ring", **max_kw(*x)),
+      "all_gather": lambda q, k, v, *x: jattn.context_parallel_attention(
+          q, k, v, mesh=seq, strategy="all_gather", **max_kw(*x)),
+      "ulysses in the layout BNTH": ulysses_bnth}
+  with jax.set_mesh(seq):
+    for name, fn in calls.items():
+      ok &= check_rows(f"max logits, {name}: documents with empty rows, soft-cap", run(fn),
+                       want)
 
   if quick:
     sys.exit(0 if ok else 1)

@@ -37,7 +37,8 @@ def band(b, n, t, s):
 
 def test_one_step_at_global_offsets_values_lse_and_gradients():
   """The kernel's step_forward / step_backward at offsets (traced, under jit), causal,
-  a hand-written mask_mod and ALiBi, against float64 NumPy at the global positions."""
+  a hand-written mask_mod and ALiBi, against float64 NumPy at the global positions;
+  the step's max logits (the ring's return_max_logits) too."""
   rng = np.random.default_rng(0)
   q, k, v, d_out = (rng.standard_normal(s) for s in ((B, T, N, H), (B, S, K, H),
                                                       (B, S, K, H), (B, T, N, H)))
@@ -62,22 +63,24 @@ def test_one_step_at_global_offsets_values_lse_and_gradients():
 
   plan = flex_tpu.plan(B=B, T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32,
                        modifiers=modifiers(jnp.zeros(N)), block_q=8, block_kv=128,
-                       interpret=True, offsets=True)
+                       interpret=True, offsets=True, return_max_logits=True)
   assert not isinstance(plan, str), plan
 
   @jax.jit
   def step(q, k, v, sl, d_out, q_offset, kv_offset):
     m = modifiers(sl)
-    out, lse = flex_tpu_call.step_forward(plan, lay, q, k, v, m.mods, q_offset, kv_offset)
+    out, lse, max_logits = flex_tpu_call.step_forward(plan, lay, q, k, v, m.mods, q_offset,
+                                                      kv_offset)
     grads = flex_tpu_call.step_backward(plan, lay, q, k, v, m, q_offset, kv_offset, out, lse,
                                    d_out)
-    return out, lse, grads
+    return out, lse, max_logits, grads
 
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  out, lse, (dq, dk, dv, d_consts) = step(f32(q), f32(k), f32(v), f32(slopes), f32(d_out),
-                                          Q_OFFSET, KV_OFFSET)
+  out, lse, max_logits, (dq, dk, dv, d_consts) = step(f32(q), f32(k), f32(v), f32(slopes),
+                                                      f32(d_out), Q_OFFSET, KV_OFFSET)
   np.testing.assert_allclose(out, out_w, atol=2e-6)
   np.testing.assert_allclose(lse, lse_w, atol=2e-5, rtol=1e-6)
+  np.testing.assert_allclose(max_logits, top, atol=2e-5, rtol=1e-6)
   for got, want in ((dq, dq_w), (dk, dk_w), (dv, dv_w), (d_consts[0], d_slopes_w)):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
@@ -93,10 +96,15 @@ def test_each_platform_reports_its_step_and_the_kernel_reason():
         q, q, q, mesh=mesh, is_causal=True, score_mod=jattn.mods.alibi(slopes)), q)
     jax.eval_shape(lambda q: jattn.ring_attention(
         q, q, q, mesh=mesh, key_value_seq_lengths=jnp.asarray([3])), q)
-  kernel, lengths = reports
+    # the max logits asked for: each step's kernel writes its running max (TPU branch traced)
+    out, top = jax.eval_shape(lambda q: jattn.ring_attention(
+        q, q, q, mesh=mesh, is_causal=True, return_max_logits=True), q)
+  kernel, lengths, with_max = reports
   assert kernel.implementation("tpu") == "ring"
   step = kernel.choices["tpu"].plan
   assert step.implementation == "flex_tpu" and step.plan.offsets and step.plan.is_causal
+  assert not step.plan.max_logits and with_max.choices["tpu"].plan.plan.max_logits
+  assert top.shape == (1, 32, 2) and top.dtype == jnp.float32
   assert kernel.choices["cpu"].plan.implementation == "blockwise"
   assert lengths.choices["tpu"].plan.implementation == "blockwise"
   assert "sequence lengths" in lengths.reasons("tpu")["flex_tpu"]

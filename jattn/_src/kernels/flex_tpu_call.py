@@ -41,16 +41,16 @@ run = kernel_vjp.kernel_run(
 
 
 def step_forward(plan_: Plan, layout: Layout, query, key, value, mods, q_offset, kv_offset):
-  """One range pair of ring attention, as `blockwise_loop.forward`: -> (out, lse float32
-  [B, N, T]) of T queries from global position q_offset against S keys from kv_offset
-  (int32 scalars, traced: scalar prefetch). No sinks: the ring adds them once, at the end.
+  """One range pair of ring attention, as `blockwise_loop.forward_with_max`: -> (out, lse
+  float32 [B, N, T], max logits float32 [B, N, T] when `plan_.max_logits`, else None) of
+  T queries from global position q_offset against S keys from kv_offset (int32 scalars,
+  traced: scalar prefetch). No sinks: the ring adds them once, at the end.
 
   layout has B; mods: the ring's `Mods` (traced here) or None; plan_ made with
   `offsets=True` for these T, S."""
   mods = None if mods is None else mods.traced()
   plan_ = kernel_plan.for_trace(plan_, mods)
-  return _forward(plan_, layout, query, key, value, mods,
-                  _offsets(q_offset, kv_offset))[:2]
+  return _forward(plan_, layout, query, key, value, mods, _offsets(q_offset, kv_offset))
 
 
 def step_backward(plan_: Plan, layout: Layout, query, key, value, modifiers: Modifiers,

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jattn._src.call import make_call
@@ -79,8 +80,8 @@ def context_parallel_attention(
     scale=None, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
     local_window_size=None, q_segment_ids=None, kv_segment_ids=None, layout="BTNH",
     implementation=None, dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
-    return_weights=False, block_sizes=None, return_residual=False, mask_mod=None,
-    score_mod=None, sinks=None, block_mask=None):
+    return_weights=False, block_sizes=None, return_residual=False, return_max_logits=False,
+    mask_mod=None, score_mod=None, sinks=None, block_mask=None):
   """`dot_product_attention` with the sequence sharded over mesh axis `axis_name`.
 
   Takes the arguments of `jattn.dot_product_attention` and gives its result
@@ -116,8 +117,14 @@ def context_parallel_attention(
   head). The mesh's axes may be Explicit or Auto; on Explicit axes the inputs are
   resharded and the output keeps the query's sharding (D unsharded).
 
+  return_residual and return_max_logits: also return the lse and each row's
+  largest visible logit, as `dot_product_attention` (in that order, after out);
+  each device keeps a running max over its chunk pairs, and the rows come back
+  in the caller's order and the query's layout without H, as the lse does.
+
   Supported: every layout, GQA, is_causal, local_window_size, lengths, segment
-  ids, mask_mod, score_mod, sinks, block_mask, block_sizes, return_residual.
+  ids, mask_mod, score_mod, sinks, block_mask, block_sizes, return_residual,
+  return_max_logits.
   Refused, naming the argument: bias and mask (dense [T, S]), dropout,
   return_weights, implementation.
 
@@ -143,8 +150,8 @@ def context_parallel_attention(
              implementation=implementation, dropout_rate=dropout_rate,
              dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
              return_weights=return_weights, block_sizes=block_sizes,
-             return_residual=return_residual, mask_mod=mask_mod, score_mod=score_mod,
-             sinks=sinks, block_mask=block_mask)
+             return_residual=return_residual, return_max_logits=return_max_logits,
+             mask_mod=mask_mod, score_mod=score_mod, sinks=sinks, block_mask=block_mask)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -238,7 +245,7 @@ def _local_shape(prep: _Prepared) -> tuple[Ring, dict, tuple[int, int]]:
   return shape, local, pair
 
 
-def _step_kernel(platform, local, pair, dtype, modifiers, block_sizes):
+def _step_kernel(platform, local, pair, dtype, modifiers, block_sizes, max_logits):
   """The flex_tpu plan of one chunk pair at traced global offsets on `platform`, or the
   reason it refuses; None where it is not tried: any platform but TPU, unless inside
   `pallas_interpret()` (tests)."""
@@ -249,13 +256,14 @@ def _step_kernel(platform, local, pair, dtype, modifiers, block_sizes):
                        H=local["H"], D=local["D"], dtype=dtype, modifiers=modifiers,
                        block_q=None if block_sizes is None else block_sizes.q,
                        block_kv=None if block_sizes is None else block_sizes.kv,
-                       interpret=interpreting, offsets=True)
+                       interpret=interpreting, offsets=True, return_max_logits=max_logits)
 
 
 def run(caller, query, key, value, bias=None, mask=None, *, mesh, axis_name, strategy,
         batch_axis_name, head_axis_name, load_balance, return_residual=False,
         block_sizes=None, layout="BTNH", **kwargs):
-  """The call: checks, plan, one shard_map per platform's step."""
+  """The call: checks, plan, one shard_map per platform's step -> out, then the lse
+  (return_residual) and the max logits (return_max_logits), if asked."""
   prep = prepare(caller, query, key, value, bias, mask, mesh=mesh, axis_name=axis_name,
                  strategy=strategy, batch_axis_name=batch_axis_name,
                  head_axis_name=head_axis_name, load_balance=load_balance,
@@ -278,7 +286,8 @@ def run(caller, query, key, value, bias=None, mask=None, *, mesh, axis_name, str
   branches, choices = {}, []
   for platform in PLATFORMS:
     sizes = (block_sizes or default_block_sizes(platform)).clipped(*pair)
-    kernel = _step_kernel(platform, local, pair, call.dtype, modifiers, block_sizes)
+    kernel = _step_kernel(platform, local, pair, call.dtype, modifiers, block_sizes,
+                          call.return_max_logits)
     if isinstance(kernel, flex_tpu.Plan):
       step, passed_over = RingStep("flex_tpu", kernel), ()
     else:  # not tried (None), or refused: the reason goes into the report
@@ -288,19 +297,21 @@ def run(caller, query, key, value, bias=None, mask=None, *, mesh, axis_name, str
     choices.append(Choice(platform, plan.strategy, step, passed_over))
     ring = Ring(axis_name, plan.P, scale=prep.scale, is_causal=structure.is_causal,
                 local_window=structure.local_window, layout=lay, block_sizes=sizes,
-                kernel=kernel, **shape)
+                kernel=kernel, max_logits=call.return_max_logits, **shape)
     branches[platform] = (step, functools.partial(
         sharded, local=Local(plan.strategy, ring, plan.order), mesh=mesh,
         batch_axis_name=batch_axis_name, head_axis_name=head_axis_name))
   record(choices)
-  out, lse = per_platform(branches, call.query, call.key, call.value, structure.q_lengths,
-                          structure.kv_lengths, structure.q_segment_ids,
-                          structure.kv_segment_ids, mods, visible)
-  lse = residual_in_layout(lse, lay, out.dtype)  # [B, T, N] for "BTNH"
+  out, lse, top = per_platform(branches, call.query, call.key, call.value,
+                               structure.q_lengths, structure.kv_lengths,
+                               structure.q_segment_ids, structure.kv_segment_ids, mods, visible)
+  # [B, T, N] for "BTNH"; the max logits keep the logits' float32, as one device's
+  rows = tuple(residual_in_layout(x, lay, dtype) for x, dtype, asked in (
+      (lse, out.dtype, return_residual), (top, jnp.float32, call.return_max_logits)) if asked)
   if not call.dims.has_batch:
-    out, lse = out[0], lse[0]
-  out, lse = to_home(out, lse)
-  return (out, lse) if return_residual else out
+    out, rows = out[0], tuple(x[0] for x in rows)
+  out, *rows = to_home(out, *rows)
+  return (out, *rows) if rows else out
 
 
 def context_parallel_plan(query, key, value, bias=None, mask=None, *, mesh,

@@ -73,24 +73,25 @@ def place(args, in_specs, mesh):
 
 
 def home(query, layout: Layout, mesh):
-  """A function that gives (out, lse) the query's sharding on the mesh's Explicit axes.
+  """A function that gives (out, *rows) the query's sharding on the mesh's Explicit axes.
 
   Under Explicit axes the sharding is part of the type, and attention keeps it as
   jax.nn's does: the output is sharded as the query (its D axis not at all), the
-  lse as the query without H. Auto axes are left to the compiler.
+  per-row results (lse, max logits) as the query without H. Auto axes are left to
+  the compiler.
   """
   explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
               if kind == AxisType.Explicit}
   if not explicit:
-    return lambda out, lse: (out, lse)
+    return lambda out, *rows: (out, *rows)
   check_placement("query", query, mesh)
   # a spec may be shorter than the rank: the letters past its end are unsharded (None)
   spec = jax.typeof(query).sharding.spec
   axis = {letter: _only(entry, explicit) for letter, entry in zip(layout.query, spec)}
   at = lambda letters: NamedSharding(mesh, PartitionSpec(*(axis.get(c) for c in letters)))
   rows = layout.query.replace("H", "")
-  return lambda out, lse: (jax.sharding.reshard(out, at(layout.out)),
-                           jax.sharding.reshard(lse, at(rows)))
+  return lambda out, *per_row: (jax.sharding.reshard(out, at(layout.out)),
+                                *(jax.sharding.reshard(x, at(rows)) for x in per_row))
 
 
 def _only(entry, axes):

@@ -20,9 +20,10 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
                    layout: str = "BTNH", batch_axis_name: str | None = None,
                    head_axis_name: str | None = None, load_balance: bool | ChunkOrder = True,
                    block_sizes: BlockSizes | None = None, return_residual: bool = False,
-                   mask_mod=None, score_mod=None, sinks=None, block_mask=None,
-                   bias=None, mask=None, implementation=None, dropout_rate=0.0,
-                   dropout_rng=None, broadcast_dropout=False, return_weights=False):
+                   return_max_logits: bool = False, mask_mod=None, score_mod=None,
+                   sinks=None, block_mask=None, bias=None, mask=None, implementation=None,
+                   dropout_rate=0.0, dropout_rng=None, broadcast_dropout=False,
+                   return_weights=False):
   """Attention with the sequence sharded over `mesh` axis `axis_name` (ring attention).
 
   `jattn.context_parallel_attention(..., strategy="ring")`: the same arrays and
@@ -50,6 +51,11 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   around the call.
 
   return_residual=True returns (out, lse) as `dot_product_attention`.
+  return_max_logits=True also returns each query row's largest visible logit (after
+  scale and score_mod; float32, no gradient, shaped like the lse; a row that sees no
+  key gets the lse's empty-row constant; sinks do not count), after the lse if both
+  are asked for: each device keeps a running max over the key chunks it meets, and the
+  rows come home as the lse does.
 
   mask_mod, score_mod, sinks: as `dot_product_attention`; the mods see global
   positions on every device, and each step skips the key blocks mask_mod
@@ -89,8 +95,9 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
              kv_segment_ids=kv_segment_ids, layout=layout, implementation=implementation,
              dropout_rate=dropout_rate, dropout_rng=dropout_rng,
              broadcast_dropout=broadcast_dropout, return_weights=return_weights,
-             block_sizes=block_sizes, return_residual=return_residual, mask_mod=mask_mod,
-             score_mod=score_mod, sinks=sinks, block_mask=block_mask)
+             block_sizes=block_sizes, return_residual=return_residual,
+             return_max_logits=return_max_logits, mask_mod=mask_mod, score_mod=score_mod,
+             sinks=sinks, block_mask=block_mask)
 
 
 # The mesh axis names that dot_product_attention(implementation="ring" or

@@ -2,7 +2,8 @@
 
 Each of the P devices on the sequence axis keeps its query chunks. At every
 step it attends them to the key/value chunks in hand, folds each result into a
-running (out, lse) with the online softmax, and, on a ring, hands the K/V to
+running (out, lse) with the online softmax (and, when `Ring.max_logits`, each
+row's largest visible logit into a running max), and, on a ring, hands the K/V to
 the next device with `jax.lax.ppermute`. After P steps every query has met
 every key, and no device ever held more than one device's share of K/V. With
 one step (`Ring.steps == 1`) the device already holds every key it needs: the
@@ -48,7 +49,7 @@ from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import flex_tpu_call
 from jattn._src.masks.block_mask import EMPTY
 
-_ROWS = "BNT"  # one value per query row and head: lse
+_ROWS = "BNT"  # one value per query row and head: lse, max logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,9 @@ class Ring:
   # a flex_tpu `Plan` (made with offsets=True for one chunk pair): each step runs the
   # Pallas kernel; None: the blockwise loop with block_sizes
   kernel: object = None
+  # also carry each row's largest visible logit (return_max_logits); the kernel's plan,
+  # if any, is then made with max_logits=True
+  max_logits: bool = False
 
   def pass_on(self, x):
     """Hands x (a pytree) to the next device on the ring: device i -> i + 1."""
@@ -99,12 +103,16 @@ class Ring:
     return Modifiers(structure=structure, mods=mods, scale=self.scale)
 
   def step_forward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset):
-    """(out, lse [B, N, t]) of one chunk pair at its global offsets; no sinks."""
-    if self.kernel is None:
-      return _blockwise.forward(q, k, v, modifiers, self.layout, q_offset, kv_offset,
-                                self.block_sizes)
-    return flex_tpu_call.step_forward(self.kernel, self.layout, q, k, v, modifiers.mods, q_offset,
-                                 kv_offset)
+    """(out, lse [B, N, t], max logits [B, N, t] or None unless `max_logits`) of one
+    chunk pair at its global offsets; no sinks."""
+    if self.kernel is not None:
+      return flex_tpu_call.step_forward(self.kernel, self.layout, q, k, v, modifiers.mods,
+                                        q_offset, kv_offset)
+    if self.max_logits:
+      return _blockwise.forward_with_max(q, k, v, modifiers, self.layout, q_offset, kv_offset,
+                                         self.block_sizes)
+    return (*_blockwise.forward(q, k, v, modifiers, self.layout, q_offset, kv_offset,
+                                self.block_sizes), None)
 
   def step_backward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset, out, lse, d_out):
     """One chunk pair's share of (d_q, d_k, d_v, d score_mod arrays), from the final
@@ -161,8 +169,10 @@ def ring_core(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, 
   `_programmable.Mods` or None (mask_mod and score_mod see global positions);
   visible: int8 [T / t_chunk, S / s_chunk] block classes of the call at the
   granularity of the local chunks (EMPTY pairs are skipped), or None. Returns the
-  local output in the out layout and the local lse float32 [B, N, t] (no
-  gradient flows back through it).
+  local output in the out layout, the local lse float32 [B, N, t] and, when
+  `ring.max_logits`, each local row's largest visible logit float32 [B, N, t]
+  (LARGE_NEGATIVE for a row that sees no key; sinks do not count), else None (no
+  gradient flows back through either).
   """
   return _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
                        mods, visible)
@@ -181,14 +191,17 @@ def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_l
   size = dict(zip(lay.query, q.shape)) | dict(zip(lay.value, v.shape))
   out = ring.fresh(tuple(size[c] for c in lay.out))
   lse = ring.fresh(tuple(size[c] for c in _ROWS), LARGE_NEGATIVE)
+  # each row's running max logit; None unless asked for: an empty pytree, so the default
+  # loop carries nothing more
+  top = ring.fresh(lse.shape, LARGE_NEGATIVE) if ring.max_logits else None
 
   def pairs(carry, travelling):
     k_blk, v_blk, kv_off, kv_ids_blk = travelling
 
     def body(a, b, carry):
       def compute(carry):
-        out, lse = carry
-        out_ab, lse_ab = ring.step_forward(
+        out, lse, top = carry
+        out_ab, lse_ab, top_ab = ring.step_forward(
             ring.chunk(q, "T", a, tq), ring.chunk(k_blk, "S", b, sk),
             ring.chunk(v_blk, "S", b, sk),
             ring.modifiers(ring.chunk(q_ids, "T", a, tq, 1),
@@ -197,31 +210,34 @@ def _ring_forward(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_l
         out_a, lse_a = _combine(ring.chunk(out, "T", a, tq), ring.chunk(lse, "T", a, tq, 2),
                                 out_ab, lse_ab, lay)
         axis = lay.axis("T")
+        if top is not None:  # a max over disjoint key sets is the max of the maxes
+          top_a = jnp.maximum(ring.chunk(top, "T", a, tq, 2), top_ab)
+          top = jax.lax.dynamic_update_slice_in_dim(top, top_a, a * tq, 2)
         return (jax.lax.dynamic_update_slice_in_dim(out, out_a, a * tq, axis),
-                jax.lax.dynamic_update_slice_in_dim(lse, lse_a, a * tq, 2))
+                jax.lax.dynamic_update_slice_in_dim(lse, lse_a, a * tq, 2), top)
       return _if_visible(visible, q_offsets[a], kv_off[b], (tq, sk), compute, carry)
     return _each_pair(ring, body, carry)
 
-  carry, travelling = (out, lse), (k, v, kv_offsets, kv_ids)
+  carry, travelling = (out, lse, top), (k, v, kv_offsets, kv_ids)
   if ring.steps > 1:  # P - 1 hops: the K/V of the last step goes nowhere
     carry, travelling = jax.lax.fori_loop(
         0, ring.steps - 1, lambda _, c: (pairs(*c), ring.pass_on(c[1])), (carry, travelling))
-  out, lse = pairs(carry, travelling)
+  out, lse, top = pairs(carry, travelling)
   if mods is not None and mods.sinks is not None:  # once, after every key range
-    out, lse = add_sinks(out, lse, mods.sinks, lay.out)
-  return out.astype(v.dtype), lse
+    out, lse = add_sinks(out, lse, mods.sinks, lay.out)  # a sink is no key: top unchanged
+  return out.astype(v.dtype), lse, top
 
 
 def _ring_fwd(ring: Ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
               mods=None, visible=None):
-  out, lse = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
-                           mods, visible)
-  return (out, lse), (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, mods,
-                      visible, out, lse)
+  out, lse, top = _ring_forward(ring, q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len,
+                                kv_len, mods, visible)
+  return (out, lse, top), (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len,
+                           mods, visible, out, lse)
 
 
 def _ring_bwd(ring: Ring, residuals, cotangents):
-  d_out, _ = cotangents  # the lse carries no gradient, as jax.nn's residual
+  d_out = cotangents[0]  # the lse and max logits carry no gradient, as jax.nn's residual
   (q, k, v, q_offsets, kv_offsets, q_ids, kv_ids, q_len, kv_len, mods, visible, out,
    lse) = residuals
   lay = ring.layout

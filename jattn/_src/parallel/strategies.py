@@ -11,6 +11,9 @@
               runs ordinary attention with the mask unchanged, and a second
               all-to-all turns the output back. The mods see global head indices.
 
+The per-row results (the lse, and the max logits when asked) go back to the caller's
+order as the output does.
+
 Gradients: jax transposes the collectives (ppermute, all_gather -> reduce-scatter,
 all_to_all); the attention itself is `ring_core`'s custom VJP.
 """
@@ -56,10 +59,10 @@ def _dealt(local: Local, q, k, v, q_ids, kv_ids, q_len, kv_len, mods, visible):
     k, v, kv_ids = gather(k, lay.axis("S")), gather(v, lay.axis("S")), gather(kv_ids, 1)
     size = k.shape[lay.axis("S")] // order.C
     kv_offsets = jnp.arange(order.C, dtype=jnp.int32) * size
-  out, lse = ring_core(local.ring, q, k, v, chunks * t_chunk, kv_offsets, q_ids, kv_ids,
-                       q_len, kv_len, mods, visible)
-  back = lambda x, axis: from_order(x, axis, name, order)
-  return back(out, lay.axis("T")), back(lse, 2)  # lse [B, N, t]
+  out, lse, top = ring_core(local.ring, q, k, v, chunks * t_chunk, kv_offsets, q_ids,
+                            kv_ids, q_len, kv_len, mods, visible)
+  back = lambda x, axis: None if x is None else from_order(x, axis, name, order)
+  return back(out, lay.axis("T")), back(lse, 2), back(top, 2)  # lse, top [B, N, t]
 
 
 def local_heads(mods, first, count: int):
@@ -92,11 +95,13 @@ def _ulysses(local: Local, q, k, v, q_ids, kv_ids, q_len, kv_len, mods):
   count = q.shape[lay.axis("N")]
   mods = local_heads(mods, jax.lax.axis_index(name) * count, count)
   zero = jnp.zeros((1,), jnp.int32)
-  out, lse = ring_core(local.ring, q, k, v, zero, zero, q_ids, kv_ids, q_len, kv_len, mods)
+  out, lse, top = ring_core(local.ring, q, k, v, zero, zero, q_ids, kv_ids, q_len, kv_len,
+                            mods)
   out = jax.lax.all_to_all(out, name, split_axis=lay.axis("T"), concat_axis=lay.axis("N"),
                            tiled=True)
-  lse = jax.lax.all_to_all(lse, name, split_axis=2, concat_axis=1, tiled=True)  # [B, N, t]
-  return out, lse
+  rows = lambda x: None if x is None else jax.lax.all_to_all(
+      x, name, split_axis=2, concat_axis=1, tiled=True)
+  return out, rows(lse), rows(top)  # lse, top [B, N, t]
 
 
 def _body(local: Local, q, k, v, q_ids, kv_ids, q_len, kv_len, mods, visible):
@@ -119,7 +124,8 @@ def _compiled_body(local: Local):
 # first mesh's shardings and fail. Callers jit the whole step anyway.
 def sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, mods, visible, *, local: Local,
             mesh, batch_axis_name, head_axis_name):
-  """(out, lse [B, N, T]) of the call, the sequence sharded over `local.ring.axis_name`."""
+  """(out, lse [B, N, T], max logits [B, N, T] or None unless `local.ring.max_logits`) of
+  the call, the sequence sharded over `local.ring.axis_name`."""
   layout, axis_name = local.ring.layout, local.ring.axis_name
   mesh_axis = {"B": batch_axis_name, "T": axis_name, "S": axis_name,
                "N": head_axis_name, "K": head_axis_name}
@@ -132,7 +138,7 @@ def sharded(query, key, value, q_len, kv_len, q_ids, kv_ids, mods, visible, *, l
                mesh)
   return jax.shard_map(
       _compiled_body(local), mesh=mesh, in_specs=in_specs,
-      out_specs=(spec(layout.out), spec("BNT")),
+      out_specs=(spec(layout.out), spec("BNT"), spec("BNT")),  # an absent max: any spec
       # The blockwise loops inside start their accumulators from constants,
       # which the varying-manual-axes type check would reject as loop carries.
       check_vma=False,
