@@ -7,12 +7,7 @@ they are built from without an import cycle.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
-from jattn._src.core.layout import Layout
 from jattn._src.kernels import kernel_vjp
-from jattn._src.kernels.flex_mgpu import Plan
-from jattn._src.kernels.kernel_vjp import batched, without_batch
 
 
 def _kernels():
@@ -21,15 +16,6 @@ def _kernels():
   return flex_mgpu_kernels
 
 
-def _forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """The forward kernel -> (out in the query's layout with D, lse float32 [B, N, T],
-  max logits float32 [B, N, T] or None)."""
-  out, lse, max_logits = _kernels().forward(p, layout, query, key, value, modifiers)
-  out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
-  max_logits = None if max_logits is None else max_logits[:, :, :p.T]
-  return without_batch(out, layout), lse[:, :, :p.T], max_logits
-
-
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`: the
 # kernels under jattn's kernel VJP (sinks after the forward, score_mod's arrays by blockwise)
-run = kernel_vjp.kernel_run(_forward, lambda *args: _kernels().backward(*args))
+run = kernel_vjp.padded_kernel_run(_kernels)
