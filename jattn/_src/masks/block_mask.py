@@ -10,6 +10,7 @@ In the style of splash attention's MaskInfo, but traced, and per batch and head.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -82,13 +83,19 @@ class BlockMask:
   mask_jaxpr: object = None
   mask_consts: tuple = ()
 
+  @functools.cached_property
+  def _static_jaxpr(self) -> _SameText:  # printed once per block mask, not per jit call
+    return _SameText(self.mask_jaxpr)
+
   def tree_flatten(self):
     return ((self.classes, self.mask_consts),
-            (self.block_sizes, self.B, self.N, self.T, self.S, _SameText(self.mask_jaxpr)))
+            (self.block_sizes, self.B, self.N, self.T, self.S, self._static_jaxpr))
 
   @classmethod
   def tree_unflatten(cls, aux, children):
-    return cls(children[0], *aux[:5], aux[5].jaxpr, children[1])
+    mask = cls(children[0], *aux[:5], aux[5].jaxpr, children[1])
+    mask.__dict__["_static_jaxpr"] = aux[5]  # the same key: its text is not printed again
+    return mask
 
   def sparsity(self) -> jax.Array:
     """The fraction of EMPTY blocks (float32)."""
