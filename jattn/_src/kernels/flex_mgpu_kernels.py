@@ -323,6 +323,27 @@ def _pipelined(count, fetch, wait, body, carry):
   return lax.fori_loop(0, count, step, carry)
 
 
+def _kv_tiles(side, smem, k_ref, v_ref, b, h, bk):
+  """(fetch, wait) for `_pipelined` over a query tile's kv tiles (forward and dq kernels):
+  the k, v tile of kv head h and the key-side side inputs into slot 0 or 1 of SMEM."""
+  other = side.other_rows()
+  bars = smem["kv_bars"]
+
+  def fetch(k, slot):
+    j = side.step(k)[0]
+    rows = pl.ds(j * bk, bk)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], smem["k"].at[slot], bars.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], smem["v"].at[slot], bars.at[2 + slot])
+    if other is not None:
+      plgpu.copy_gmem_to_smem(other[0].at[:, rows], other[1].at[slot], bars.at[4 + slot])
+
+  def wait(slot):
+    for first in (0, 2, 4) if other is not None else (0, 2):
+      plgpu.barrier_wait(bars.at[first + slot])
+
+  return fetch, wait
+
+
 def _kernel(body, out_type, scratch, grid, names, p: Plan, name: str):
   interpret = None
   if p.interpret:
@@ -385,20 +406,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **sm
   plgpu.copy_gmem_to_smem(q_ref.at[b, n, pl.ds(i * bq, bq)], smem["q"], smem["q_bar"])
   side.start(*_bc_nc(p, where, arrays, b, n), i)
   plgpu.barrier_wait(smem["q_bar"])
-  other = side.other_rows()
-  bars = smem["kv_bars"]
-
-  def fetch(k, slot):
-    j = side.step(k)[0]
-    rows = pl.ds(j * bk, bk)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], smem["k"].at[slot], bars.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], smem["v"].at[slot], bars.at[2 + slot])
-    if other is not None:
-      plgpu.copy_gmem_to_smem(other[0].at[:, rows], other[1].at[slot], bars.at[4 + slot])
-
-  def wait(slot):
-    for first in (0, 2, 4) if other is not None else (0, 2):
-      plgpu.barrier_wait(bars.at[first + slot])
+  fetch, wait = _kv_tiles(side, smem, k_ref, v_ref, b, h, bk)
 
   def body(k, slot, carry):
     acc, m, l = carry
@@ -506,20 +514,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
     plgpu.barrier_wait(own.at[k])
   lse = compat.mgpu_load(smem["lse"], _WGMMA.reduce(1))
   delta = compat.mgpu_load(smem["delta"], _WGMMA.reduce(1))
-  other = side.other_rows()
-  bars = smem["kv_bars"]
-
-  def fetch(k, slot):
-    j = side.step(k)[0]
-    kv_rows = pl.ds(j * bk, bk)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, h, kv_rows], smem["k"].at[slot], bars.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, h, kv_rows], smem["v"].at[slot], bars.at[2 + slot])
-    if other is not None:
-      plgpu.copy_gmem_to_smem(other[0].at[:, kv_rows], other[1].at[slot], bars.at[4 + slot])
-
-  def wait(slot):
-    for first in (0, 2, 4) if other is not None else (0, 2):
-      plgpu.barrier_wait(bars.at[first + slot])
+  fetch, wait = _kv_tiles(side, smem, k_ref, v_ref, b, h, bk)
 
   def body(k, slot, dq):
     j, full = side.step(k)
