@@ -31,18 +31,23 @@ def test_kernel_benchmark_runs_in_smoke_mode(script):
 def test_the_gpu_check_rehearses_every_stage_on_this_cpu(tmp_path):
   """tools/gpu_check.py --smoke: the GPU check's stages at tiny sizes (the rehearsal
   subset of tests/kernels/test_gpu.py interpreted and exported, the benchmark and the tile sweep
-  interpreted), so the prepared command cannot rot between sessions that have a GPU."""
+  interpreted, one profiled step per contender), so the prepared command cannot rot between sessions that have a GPU."""
   done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--smoke",
                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
   summary = json.loads((tmp_path / "gpu_check.json").read_text())
   stages = {s["stage"]: s for s in summary["stages"]}
-  assert list(stages) == ["env", "tests", "bench", "sweep"], done.stdout[-2000:]
+  assert list(stages) == ["env", "tests", "bench", "profile", "sweep"], done.stdout[-2000:]
   assert all(s["status"] == "passed" for s in stages.values()), done.stdout[-3000:]
   counts = stages["tests"]["counts"]
   assert counts["passed"] >= 10 and counts["failed"] == counts["errors"] == 0, counts
   for name in ("bench", "sweep"):
     results = json.loads((tmp_path / f"{name}.json").read_text())
     assert results["results"] and not results["errors"], results["errors"]
+  profile = stages["profile"]["profile"]  # folded into gpu_check.json, as the env log
+  assert profile["profiles"] and not profile["errors"], profile["errors"]
+  assert all(p["lines"] for p in profile["profiles"]), profile["profiles"]
+  assert "jax" in stages["env"]["log"]
+  assert len(list(tmp_path.iterdir())) <= 8  # what the device tool returns
   assert done.returncode == 0
 
 

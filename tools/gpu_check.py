@@ -1,21 +1,25 @@
 """The GPU check: one command that compiles every CUDA path on a lent GPU, checks it
 against float64, and times it against cuDNN, jax's kernels and PyTorch FlexAttention.
 
-    python tools/gpu_check.py [--out DIR] [--stages env tests bench sweep] [--budget S ...]
+    python tools/gpu_check.py [--out DIR] [--stages env tests bench profile sweep] [--budget S ...]
     python tools/gpu_check.py --smoke --out /tmp/rehearsal   # on a CPU: the rehearsal
 
 Stages, in order, each in its own process with its own time budget; a stage that fails
-or runs out of time is recorded and the next one runs:
+or runs out of time is recorded and the next one runs. On a GPU the default is env,
+tests, bench and profile (490 s of budgets); the sweep runs when named:
   env    nvidia-smi, jax.print_environment_info(), torch's version and device
   tests  the gpu-marked tests (tests/kernels/test_gpu.py, tests/kernels/test_flex_gpu.py) compiled on
          the GPU: pytest -m gpu, a JUnit XML of every case
   bench  benchmarks/gpu_kernels.py: flex_gpu, flex_mgpu, the default dispatch, cuDNN, Pallas mha,
          torch FlexAttention and SDPA, bfloat16, H = 128, N = 16, T = 4k, 16k, 1k
+  profile benchmarks/gpu_profile.py: one step of flex_gpu, cuDNN and flex_mgpu (causal,
+         soft-cap, 16 documents; T = 4k) under jax.profiler, the time per kernel
   sweep  benchmarks/gpu_kernels.py --sweep: flex_gpu's tiles, warps and stages (causal
          and 16 documents at T = 4k)
 Everything lands in --out (default $OUT, else ./gpu_check_out): gpu_check.json (each
-stage's status, seconds, test counts and failures), bench.json, sweep.json, a log per
-stage and the tests' junit.xml: eight files at most, as the device tool returns.
+stage's status, seconds, test counts and failures; the env stage's output and the
+profile's tables), bench.json, sweep.json, the tests', bench's, profile's and sweep's
+logs and the tests' junit.xml: eight files, as many as the device tool returns.
 
 --smoke (a CPU, in the CI tier): the same stages at tiny sizes, the Pallas kernels
 interpreted, the tests' rehearsal subset (JATTN_GPU_REHEARSAL=1), torch on the CPU
@@ -36,9 +40,12 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STAGES = ("env", "tests", "bench", "sweep")
+STAGES = ("env", "tests", "bench", "profile", "sweep")
 # seconds per stage on the GPU: the whole check fits 8 minutes with the machine's start
-BUDGET = {"env": 30, "tests": 200, "bench": 170, "sweep": 70}
+BUDGET = {"env": 30, "tests": 200, "bench": 170, "profile": 90, "sweep": 70}
+# on a GPU the sweep runs when named (--stages): the H200 run measured the tiles (the
+# defaults cite it); the rehearsal runs every stage so none rots
+GPU_STAGES = ("env", "tests", "bench", "profile")
 ENV_SCRIPT = """
 import jax
 jax.print_environment_info()
@@ -68,6 +75,9 @@ def commands(stage: str, out: pathlib.Path, smoke: bool, budget: float,
   if stage == "bench":
     return [[py, "benchmarks/gpu_kernels.py", *deadline, *smoke_flag,
              "--out", str(out / "bench.json"), *extra.get("bench", "").split()]]
+  if stage == "profile":
+    return [[py, "benchmarks/gpu_profile.py", *deadline, *smoke_flag,
+             "--out", str(out / "profile.json"), *extra.get("profile", "").split()]]
   if stage == "sweep":
     return [[py, "benchmarks/gpu_kernels.py", "--sweep", "--lengths", "4096", "--cases",
              "causal", "documents", "--rounds", "5", *deadline, *smoke_flag,
@@ -103,7 +113,18 @@ def run_stage(stage: str, out: pathlib.Path, smoke: bool, budget: float, extra: 
   record["seconds"] = round(time.perf_counter() - start, 1)
   if stage == "tests":
     record.update(junit_summary(out / "junit.xml", out / "tests.log"))
+  # folded into gpu_check.json: the device tool returns eight files
+  if stage == "env":
+    record["log"] = _take(out / "env.log")
+  if stage == "profile" and (out / "profile.json").exists():
+    record["profile"] = json.loads(_take(out / "profile.json"))
   return record
+
+
+def _take(path: pathlib.Path) -> str:
+  text = path.read_text()
+  path.unlink()
+  return text
 
 
 def junit_summary(path: pathlib.Path, log: pathlib.Path) -> dict:
@@ -137,12 +158,14 @@ def junit_summary(path: pathlib.Path, log: pathlib.Path) -> dict:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
-  parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+  parser.add_argument("--stages", nargs="+", default=None, choices=STAGES,
+                      help=f"default on a GPU {' '.join(GPU_STAGES)}; with --smoke all")
   parser.add_argument("--budget", nargs="+", default=[], metavar="STAGE=SECONDS",
                       help="override a stage's time budget, e.g. tests=120")
   parser.add_argument("--tests", default=None,
                       help="the tests stage's pytest arguments (default: the two gpu files)")
   parser.add_argument("--bench-args", default="", help="more arguments of the bench stage")
+  parser.add_argument("--profile-args", default="", help="more arguments of the profile stage")
   parser.add_argument("--sweep-args", default="", help="more arguments of the sweep stage")
   parser.add_argument("--smoke", action="store_true",
                       help="the CPU rehearsal: tiny, interpreted, torch on the CPU")
@@ -152,8 +175,8 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   summary = dict(smoke=args.smoke, started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                  stages=[])
-  for stage in args.stages:
-    extra = dict(bench=args.bench_args, sweep=args.sweep_args)
+  for stage in args.stages or (STAGES if args.smoke else GPU_STAGES):
+    extra = dict(bench=args.bench_args, profile=args.profile_args, sweep=args.sweep_args)
     if args.tests:
       extra["tests"] = args.tests
     record = run_stage(stage, out, args.smoke, budget[stage], extra)
