@@ -30,7 +30,8 @@ from jax import export
 import jattn
 from jattn import mods
 from jattn._src.impl.interpret import pallas_interpret
-from tests.reference_grads import reference_mods_vjp
+from tests.reference import reference_max_logits
+from tests.reference_grads import reference_mods_vjp, reference_vjp
 
 ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 REHEARSAL = not ON_GPU and os.environ.get("JATTN_GPU_REHEARSAL") == "1"
@@ -276,3 +277,74 @@ def test_every_mods_case_lowers_for_cuda_forward_and_backward(case):
     text = export.export(jax.jit(grad), platforms=["cuda"], disabled_checks=[triton])(
         q, kv, kv).mlir_module()
   assert set(KERNEL_NAMES[named]) <= set(re.findall(r'\bname = "(\w+)"', text))
+
+
+# ---- landed after the H200 run, so never yet compiled by Triton or Mosaic GPU: the max
+# logits (an extra output of the forward kernels) and the relative-bias table's gradient
+# (summed in flex_gpu's dq kernel; flex_mgpu takes it from the blockwise backward)
+
+NEW_SINCE_THE_H200_RUN = ("flex_gpu", "flex_mgpu", None)
+EMPTY_ROW = np.float32(-0.7 * np.finfo(np.float32).max)  # the documented lse of no key
+
+
+def _skip_unless_cuda_takes(q, k, v, implementation, **kw):
+  with _interpreting():
+    report = jattn.explain(q, k, v, implementation=implementation, **kw)
+  if report.implementation("cuda") is None:
+    pytest.skip(f"refused on cuda: {report.choices['cuda'].error}")
+  return report.implementation("cpu" if REHEARSAL else "cuda")
+
+
+@_NEEDS_GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", NEW_SINCE_THE_H200_RUN)
+def test_max_logits_against_float64(implementation):
+  """Each row's largest visible logit after soft-cap; rows t < 8 see no key (the lse's
+  empty-row constant). A max taken before the cap or over masked keys is off by > 0.5."""
+  B, T, S, N, K, H = SHAPES["base"]
+  t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+  kw = dict(mask_mod=lambda b, n, t, s: s < t - 7, score_mod=mods.soft_cap(2.0),
+            return_max_logits=True)
+  q, k, v, _ = _inputs("base", "bfloat16")
+  ran = _skip_unless_cuda_takes(q, k, v, implementation, **kw)
+  attend = jax.jit(lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation=implementation, **kw))
+  with _interpreting():
+    _, got = attend(q, k, v)
+  want = reference_max_logits(q.astype(jnp.float32), k.astype(jnp.float32),
+                              allowed=(s < t - 7)[None, None],
+                              score=lambda x: 2.0 * np.tanh(x / 2.0))
+  want = np.where(np.isfinite(want), want, EMPTY_ROW)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, np.einsum("bnt->btn", want), rtol=1e-5, atol=1e-2,
+                             err_msg=f"ran {ran}")
+
+
+@_NEEDS_GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", NEW_SINCE_THE_H200_RUN)
+def test_relative_bias_table_gradient_against_float64(implementation):
+  """d loss / d table of `mods.relative_bias(table)` ([N, 17], read at clip(s - t) + 8),
+  causal: the float64 gradient of the bias it adds, summed per table entry."""
+  B, T, S, N, K, H = SHAPES["base"]
+  t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+  table = np.linspace(-1.0, 1.0, N * 17).reshape(N, 17).astype(np.float32)
+  q, k, v, cot = _inputs("base", "bfloat16")
+  kw = dict(is_causal=True, score_mod=mods.relative_bias(jnp.asarray(table)))
+  ran = _skip_unless_cuda_takes(q, k, v, implementation, **kw)
+
+  def loss(table):
+    out = jattn.dot_product_attention(q, k, v, implementation=implementation, is_causal=True,
+                                      score_mod=mods.relative_bias(table))
+    return jnp.sum(out.astype(jnp.float32) * cot)
+
+  with _interpreting():
+    got = jax.jit(jax.grad(loss))(jnp.asarray(table))
+  index = np.clip(s - t, -8, 8) + 8  # [T, S]
+  bias = np.broadcast_to(table.astype(np.float64)[:, index], (B, N, T, S))
+  *_, d_bias = reference_vjp(q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32), cot, bias, is_causal=True)
+  want = np.zeros((N, 17))
+  np.add.at(want, (slice(None), index), np.einsum("bnts->nts", d_bias))
+  err = _relative_error(got, want)
+  assert err <= TOLERANCE["bfloat16"], f"relative error {err:.2e} ({ran})"
