@@ -299,6 +299,9 @@ def test_explain_with_a_mesh_reports_each_strategy():
     assert cost.refused is None and len(cost.work) == 8 and len(cost.bytes_sent) == 8
     assert f"  {name}" in text
   assert report.costs["ring"].critical_path is not None
+  # Ulysses' equal share is no whole count: to a tenth, like the mean
+  share = report.costs["ulysses"].max_work
+  assert share != int(share) and f"ulysses    work max {share:.1f} / mean {share:.1f} " in text
   # all-gather holds all of S; ring and Ulysses a share linear in T / P
   assert report.costs["all_gather"].memory > report.costs["ring"].memory
   half = jattn.explain(sd(2, 2048, 8, 64), sd(2, 2048, 8, 64), sd(2, 2048, 8, 64),
