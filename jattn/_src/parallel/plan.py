@@ -119,10 +119,15 @@ class ContextParallelPlan:
         continue
       path = "" if c.critical_path is None else f", ring critical path {c.critical_path:.0f}"
       lines.append(
-          f"  {name:10s} work max {c.max_work:g} / mean {c.mean_work:.1f} "
+          f"  {name:10s} work max {_count(c.max_work)} / mean {c.mean_work:.1f} "
           f"(imbalance {c.imbalance:.2f}){path}; sends {_mib(max(c.bytes_sent))} per device "
           f"(fwd+bwd); holds {_mib(c.memory)}")
     return "\n".join(lines)
+
+
+def _count(x: float) -> str:
+  """Block pairs: whole as counted, to a tenth where shared out (Ulysses' equal share)."""
+  return f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
 
 
 def _mib(n) -> str:
