@@ -49,7 +49,11 @@ def _softmax_with_sinks(logits, mask, axis, sinks):
   so a row with no visible key gets zeros without a division by zero."""
   if mask is not None:
     logits = jnp.where(mask, logits, LARGE_NEGATIVE)
-  m = jnp.maximum(logits.max(axis=axis, keepdims=True), sinks)
+  # The shift cancels, so no gradient flows through it (as in jax.nn.softmax). Its
+  # gradient through the max is 0 only in exact arithmetic: jax's rule for max divides
+  # by the count of entries equal to it, and on jax 0.10.2's XLA:CPU at optimisation
+  # level 0 some rows' gradients came out NaN through it (test_plan_completeness found one).
+  m = jax.lax.stop_gradient(jnp.maximum(logits.max(axis=axis, keepdims=True), sinks))
   e = jnp.exp(logits - m)
   if mask is not None:
     e = jnp.where(mask, e, 0.0)
