@@ -21,7 +21,10 @@ import statistics
 import time
 
 MAX_DEVICES = 8
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={MAX_DEVICES}")
+# simulated devices, kept beside any flags already set (the test suite sets some)
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + f" --xla_force_host_platform_device_count={MAX_DEVICES}").strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
