@@ -75,3 +75,29 @@ def test_context_parallel_benchmark_runs_at_small_sizes(tmp_path):
                                                       "prefix-LM"}
   assert {r["strategy"] for r in results["memory"]} == {"ring", "all_gather", "ulysses"}
   assert len(results["timing"]) == 8, results["timing"]
+
+
+def test_the_gpu_check_reruns_the_failed_tests_by_node_id():
+  """--failed-from: a GPU run's failures (JUnit names, or node ids read from the log when
+  the run was cut short) become pytest node ids, so that a second run in the same session
+  reruns those alone."""
+  sys.path.insert(0, str(ROOT / "tools"))
+  import gpu_check
+  summary = dict(stages=[
+      dict(stage="env"),
+      dict(stage="tests", failures=[
+          dict(test="tests.kernels.test_gpu::test_values_and_gradients_against_float64"
+                    "[flex_gpu-mods_chunked-bfloat16-base]", message="..."),
+          dict(test="tests/kernels/test_flex_gpu.py::test_compiled_on_a_gpu_values_and_lse_"
+                    "against_float64[causal_T_ne_S]", message="")]),
+      dict(stage="bench", failures=[dict(test="not a test")])])
+  ids = gpu_check.failed_tests(summary)
+  assert ids == ["tests/kernels/test_gpu.py::test_values_and_gradients_against_float64"
+                 "[flex_gpu-mods_chunked-bfloat16-base]",
+                 "tests/kernels/test_flex_gpu.py::test_compiled_on_a_gpu_values_and_lse_"
+                 "against_float64[causal_T_ne_S]"]
+  # each is a test pytest can collect here
+  done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-o", "addopts=",
+                         "-p", "no:cacheprovider", *ids], capture_output=True, text=True,
+                        cwd=ROOT, timeout=300)
+  assert "2 tests collected" in done.stdout, done.stdout[-2000:]

@@ -3,6 +3,8 @@ against float64, and times it against cuDNN, jax's kernels and PyTorch FlexAtten
 
     python tools/gpu_check.py [--out DIR] [--stages env tests bench profile sweep] [--budget S ...]
     python tools/gpu_check.py --smoke --out /tmp/rehearsal   # on a CPU: the rehearsal
+    python tools/gpu_check.py --stages tests --failed-from gpu_check.json   # a second run:
+        # only what failed in the first (its gpu_check.json copied into the working tree)
 
 Stages, in order, each in its own process with its own time budget; a stage that fails
 or runs out of time is recorded and the next one runs. On a GPU the default is env,
@@ -159,6 +161,18 @@ def junit_summary(path: pathlib.Path, log: pathlib.Path) -> dict:
   return dict(counts=counts, failures=failures, skip_reasons=skips)
 
 
+def failed_tests(summary: dict) -> list[str]:
+  """pytest node ids of the tests stage's failures in a gpu_check.json: JUnit's
+  "tests.kernels.test_gpu::test_x[p]" -> "tests/kernels/test_gpu.py::test_x[p]"."""
+  ids = []
+  for stage in summary["stages"]:
+    for failure in stage.get("failures", []) if stage["stage"] == "tests" else []:
+      module, _, name = failure["test"].partition("::")
+      ids.append(failure["test"] if module.endswith(".py") else  # from the log: a node id
+                 f"{module.replace('.', '/')}.py::{name}")
+  return ids
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
@@ -166,6 +180,9 @@ def main(argv=None) -> int:
                       help=f"default on a GPU {' '.join(GPU_STAGES)}; with --smoke all")
   parser.add_argument("--budget", nargs="+", default=[], metavar="STAGE=SECONDS",
                       help="override a stage's time budget, e.g. tests=120")
+  parser.add_argument("--failed-from", default=None, metavar="GPU_CHECK_JSON",
+                      help="rerun only the tests that failed in an earlier run's gpu_check.json "
+                           "(copy it into the working tree: it travels with the repository)")
   parser.add_argument("--tests", default=None,
                       help="the tests stage's pytest arguments (default: the two gpu files)")
   parser.add_argument("--bench-args", default=None,
@@ -185,6 +202,8 @@ def main(argv=None) -> int:
     bench = args.bench_args if args.bench_args is not None else (
         "" if args.smoke else GPU_BENCH_ARGS)
     extra = dict(bench=bench, profile=args.profile_args, sweep=args.sweep_args)
+    if args.failed_from:
+      extra["tests"] = " ".join(failed_tests(json.loads(pathlib.Path(args.failed_from).read_text())))
     if args.tests:
       extra["tests"] = args.tests
     record = run_stage(stage, out, args.smoke, budget[stage], extra)
