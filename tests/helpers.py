@@ -2,6 +2,7 @@
 
 import contextlib
 
+import hypothesis
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,3 +74,15 @@ def raises(exc, name, *needles):
     assert needle in message, f"{needle!r} not in error message {message!r}"
 
 
+
+
+def hypothesis_tiers(check, strategy):
+  """(CI test, thorough test) of one property, each under its hypothesis profile
+  ("ci": a few derandomized examples; "thorough": hundreds, in the slow tier)."""
+  def make(profile):
+    @hypothesis.settings(hypothesis.settings.get_profile(profile))
+    @hypothesis.given(strategy)
+    def test(example):
+      check(example)
+    return test
+  return make("ci"), pytest.mark.thorough(make("thorough"))

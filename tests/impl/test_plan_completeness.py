@@ -17,7 +17,6 @@ Letters: B T S N K G H D.
 
 from __future__ import annotations
 
-import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from jax import export
 import jattn
 from jattn import mods
 from jattn._src.impl.registry import CPU_BLOCKWISE_FROM
+from tests.helpers import hypothesis_tiers
 from tests.reference_grads import reference_mods_vjp
 
 TRITON = "__gpu$xla.gpu.triton"
@@ -207,20 +207,9 @@ def every_kernel_lowers_what_it_accepts(spec):
     assert KERNEL_CALL[kernel] in text, kernel
 
 
-def _tiers(check, strategy):
-  """(CI test, thorough test) of one property, each under its hypothesis profile."""
-  def make(profile):
-    @hypothesis.settings(hypothesis.settings.get_profile(profile))
-    @hypothesis.given(strategy)
-    def test(spec):
-      check(spec)
-    return test
-  return make("ci"), pytest.mark.thorough(make("thorough"))
-
-
-test_every_plan_is_complete, test_every_plan_is_complete_thorough = _tiers(check, calls())
+test_every_plan_is_complete, test_every_plan_is_complete_thorough = hypothesis_tiers(check, calls())
 test_every_kernel_lowers_what_it_accepts, test_every_kernel_lowers_what_it_accepts_thorough = (
-    _tiers(every_kernel_lowers_what_it_accepts, calls()))
+    hypothesis_tiers(every_kernel_lowers_what_it_accepts, calls()))
 
 
 # ---------------------------------------------------------------- the calls issue 37 found

@@ -7,15 +7,14 @@ examples) in the slow tier, `python -m pytest -m thorough tests/impl/test_proper
 Letters: B T S N K G H D.
 """
 
-import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jattn
 from tests.reference import reference_mask, reference_max_logits
+from tests.helpers import hypothesis_tiers
 from tests.reference_grads import reference_vjp
 
 TOL = dict(rtol=2e-5, atol=2e-5)
@@ -77,16 +76,5 @@ def _check(call):
     np.testing.assert_allclose(max_logits[0], want, **TOL, err_msg="max_logits")
 
 
-def _tiers(check, strategy):
-  """(CI test, thorough test) of one property, each under its hypothesis profile."""
-  def make(profile):
-    @hypothesis.settings(hypothesis.settings.get_profile(profile))
-    @hypothesis.given(strategy)
-    def test(call):
-      check(call)
-    return test
-  return make("ci"), pytest.mark.thorough(make("thorough"))
-
-
-test_matches_float64_reference, test_matches_float64_reference_thorough = _tiers(
+test_matches_float64_reference, test_matches_float64_reference_thorough = hypothesis_tiers(
     _check, attention_calls())
