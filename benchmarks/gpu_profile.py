@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -35,6 +32,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_kernels  # noqa: E402  (beside this script: the cases, inputs, interpret context)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from perfetto_trace import trace_events  # noqa: E402  (beside this script too)
 
 # (case, contender, forward + backward), the gaps the H200 run left first
 PROFILES = (("causal", "flex_gpu", False), ("causal", "cudnn", False),
@@ -49,17 +47,6 @@ def compiled_step(fn, backward: bool):
     return jax.jit(fn)
   return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
                           argnums=(0, 1, 2)))
-
-
-def traced_events(step, inputs, calls: int) -> list[dict]:
-  with tempfile.TemporaryDirectory() as workdir:
-    with jax.profiler.trace(workdir, create_perfetto_trace=True):
-      for _ in range(calls):
-        jax.block_until_ready(step(*inputs))
-    path, = glob.glob(f"{workdir}/**/*.trace.json.gz", recursive=True)
-    with gzip.open(path) as file:
-      trace = json.load(file)
-  return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
 def by_line(events: list[dict], calls: int) -> dict:
@@ -106,7 +93,7 @@ def profile(args, case: str, contender: str, backward: bool, inputs) -> dict:
     start = time.perf_counter()
     run()
     wall.append(time.perf_counter() - start)
-  events = gpu_kernels._with(None, args, lambda: traced_events(step, inputs, args.calls))
+  events = gpu_kernels._with(None, args, lambda: trace_events(step, inputs, args.calls))
   return dict(untraced_ms=1e3 * statistics.median(wall), lines=by_line(events, args.calls))
 
 

@@ -15,13 +15,9 @@ the attention's two (forward) or seven (forward+backward) matmuls run against.
 import argparse
 import collections
 import functools
-import glob
-import gzip
-import json
 import os
 import re
 import statistics
-import tempfile
 import time
 
 # Must be set before JAX starts its CPU backend.
@@ -33,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attention  # noqa: E402  (benchmarks/attention.py, beside this script)
+from perfetto_trace import trace_events  # noqa: E402  (beside this script too)
 import jattn  # noqa: E402
 
 
@@ -42,17 +39,6 @@ def build(args):
   if args.mode == "fwd":
     return jax.jit(attend)
   return jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2)))
-
-
-def trace_events(f, inputs, calls: int):
-  with tempfile.TemporaryDirectory() as workdir:
-    with jax.profiler.trace(workdir, create_perfetto_trace=True):
-      for _ in range(calls):
-        jax.block_until_ready(f(*inputs))
-    path, = glob.glob(f"{workdir}/**/*.trace.json.gz", recursive=True)
-    with gzip.open(path) as file:
-      trace = json.load(file)
-  return trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
 def main():
