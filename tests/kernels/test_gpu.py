@@ -150,6 +150,16 @@ def _interpreting():
   return pallas_interpret() if REHEARSAL else contextlib.nullcontext()
 
 
+def _skip_unless_cuda_takes(q, k, v, implementation, **kw):
+  """Skips (with the plan's reason) a call the implementation refuses on "cuda"; -> the
+  implementation that runs it here (cuda on a GPU, cpu in the rehearsal)."""
+  with _interpreting():
+    report = jattn.explain(q, k, v, implementation=implementation, **kw)
+  if report.implementation("cuda") is None:
+    pytest.skip(f"refused on cuda: {report.choices['cuda'].error}")
+  return report.implementation("cpu" if REHEARSAL else "cuda")
+
+
 def _relative_error(x, ref):
   x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
   return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
@@ -162,10 +172,7 @@ def test_values_and_gradients_against_float64(implementation, case, dtype, shape
   B, T, S, N, K, H = SHAPES[shape]
   kw, allowed, score, d_score, sinks = _case(case, B, T, S, N)
   q, k, v, cot = _inputs(shape, dtype)
-  with _interpreting():
-    report = jattn.explain(q, k, v, implementation=implementation, **kw)
-  if report.implementation("cuda") is None:
-    pytest.skip(f"refused on cuda: {report.choices['cuda'].error}")
+  ran = _skip_unless_cuda_takes(q, k, v, implementation, **kw)
 
   def loss(q, k, v):
     out = jattn.dot_product_attention(q, k, v, implementation=implementation, **kw)
@@ -178,7 +185,6 @@ def test_values_and_gradients_against_float64(implementation, case, dtype, shape
                             v.astype(jnp.float32), cot, allowed=allowed, score=score,
                             d_score=d_score, sinks=sinks)
   tol = TOLERANCE[dtype]
-  ran = report.implementation("cpu" if REHEARSAL else "cuda")
   if dtype == "float32" and ran == "pallas":
     tol = TF32_TOLERANCE
   assert out.dtype == jnp.dtype(dtype)
@@ -285,14 +291,6 @@ def test_every_mods_case_lowers_for_cuda_forward_and_backward(case):
 
 NEW_SINCE_THE_H200_RUN = ("flex_gpu", "flex_mgpu", None)
 EMPTY_ROW = np.float32(-0.7 * np.finfo(np.float32).max)  # the documented lse of no key
-
-
-def _skip_unless_cuda_takes(q, k, v, implementation, **kw):
-  with _interpreting():
-    report = jattn.explain(q, k, v, implementation=implementation, **kw)
-  if report.implementation("cuda") is None:
-    pytest.skip(f"refused on cuda: {report.choices['cuda'].error}")
-  return report.implementation("cpu" if REHEARSAL else "cuda")
 
 
 @_NEEDS_GPU
