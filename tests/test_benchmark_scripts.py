@@ -77,7 +77,7 @@ def test_context_parallel_benchmark_runs_at_small_sizes(tmp_path):
   assert len(results["timing"]) == 8, results["timing"]
 
 
-def test_the_gpu_check_reruns_the_failed_tests_by_node_id():
+def test_the_gpu_check_reruns_the_failed_tests_by_node_id(tmp_path):
   """--failed-from: a GPU run's failures (JUnit names, or node ids read from the log when
   the run was cut short) become pytest node ids, so that a second run in the same session
   reruns those alone."""
@@ -101,3 +101,11 @@ def test_the_gpu_check_reruns_the_failed_tests_by_node_id():
                          "-p", "no:cacheprovider", *ids], capture_output=True, text=True,
                         cwd=ROOT, timeout=300)
   assert "2 tests collected" in done.stdout, done.stdout[-2000:]
+  # a run with no failure to rerun is refused, naming the file (not a run of every test)
+  clean = tmp_path / "gpu_check.json"
+  clean.write_text(json.dumps(dict(stages=[dict(stage="tests", failures=[])])))
+  refused = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--stages",
+                            "tests", "--failed-from", str(clean), "--out", str(tmp_path / "o")],
+                           capture_output=True, text=True, timeout=60)
+  assert refused.returncode == 2, refused.stdout[-2000:]
+  assert f"--failed-from {clean}: its tests stage lists no failed test" in refused.stderr

@@ -198,14 +198,17 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   summary = dict(smoke=args.smoke, started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                  stages=[])
+  bench = args.bench_args if args.bench_args is not None else (
+      "" if args.smoke else GPU_BENCH_ARGS)
+  extra = dict(bench=bench, profile=args.profile_args, sweep=args.sweep_args)
+  if args.failed_from:
+    failed = failed_tests(json.loads(pathlib.Path(args.failed_from).read_text()))
+    if not failed:  # an empty list would run every gpu-marked test pytest finds
+      parser.error(f"--failed-from {args.failed_from}: its tests stage lists no failed test")
+    extra["tests"] = " ".join(failed)
+  if args.tests:
+    extra["tests"] = args.tests
   for stage in args.stages or (STAGES if args.smoke else GPU_STAGES):
-    bench = args.bench_args if args.bench_args is not None else (
-        "" if args.smoke else GPU_BENCH_ARGS)
-    extra = dict(bench=bench, profile=args.profile_args, sweep=args.sweep_args)
-    if args.failed_from:
-      extra["tests"] = " ".join(failed_tests(json.loads(pathlib.Path(args.failed_from).read_text())))
-    if args.tests:
-      extra["tests"] = args.tests
     record = run_stage(stage, out, args.smoke, budget[stage], extra)
     summary["stages"].append(record)
     line = f"[gpu_check] {stage}: {record['status']} in {record['seconds']} s"
