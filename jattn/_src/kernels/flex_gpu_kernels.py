@@ -23,13 +23,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
-from jattn._src.kernels import table_grads, tile_mods
+from jattn._src.kernels import layout_specs, table_grads, tile_mods
 from jattn._src.kernels.kernel_inputs import TileMods as _Mods
 from jattn._src.kernels.kernel_inputs import as_int_or_float as _as_int_or_float
 from jattn._src.kernels.kernel_inputs import flat as _flat
 from jattn._src.kernels.kernel_inputs import pad_to as _pad_to
 from jattn._src.kernels.kernel_inputs import to_tiles as _to_tiles
 from jattn._src.kernels.kernel_vjp import batched, with_batch
+from jattn._src.kernels.layout_specs import spec
 from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL
 
@@ -242,26 +243,46 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, p: Plan, name: str):
 
 
 def forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """-> (out [B, N, Tp, Dp] in the value's dtype, lse float32 [B, N, Tp], max logits
-  float32 [B, N, Tp] when `p.max_logits`, else None); no sinks."""
-  q, k, v = _to_tiles(p, layout, query, key, value)
+  """-> (out in the batched `layout`'s out order [.., T, .., D] in the value's dtype, lse
+  float32 [B, N, Tp], max logits float32 [B, N, Tp] when `p.max_logits`, else None); no
+  sinks. Tiles are read and written where they lie when `layout_specs.applies`, else
+  from zero-padded [B, N, Tp, Hp] copies."""
   tm, extras = _extras(p, modifiers, modifiers.mods)
   G = p.N // p.K
   bq = p.block_q
-  in_specs = [
-      pl.BlockSpec((None, None, bq, p.H_padded), lambda b, n, i: (b, n, i, 0)),
-      pl.BlockSpec((None, None, p.S_padded, p.H_padded), lambda b, n, i: (b, n // G, 0, 0)),
-      pl.BlockSpec((None, None, p.S_padded, p.D_padded), lambda b, n, i: (b, n // G, 0, 0)),
-  ] + [_whole(x) for x in extras]
+  lay = batched(layout)
+  in_place = layout_specs.applies(p, layout)
+  if in_place:
+    q, k, v = (with_batch(x, layout) for x in (query, key, value))
+    q_spec = spec(lay.query, dict(T=bq, H=p.H), dict(B=_b, T=_i, N=_n))
+    k_spec = spec(lay.key, dict(S=p.S, H=p.H), dict(B=_b, K=lambda b, n, i: n // G))
+    v_spec = spec(lay.value, dict(S=p.S, D=p.D), dict(B=_b, K=lambda b, n, i: n // G))
+    o_spec = spec(lay.out, dict(T=bq, D=p.D), dict(B=_b, T=_i, N=_n))
+    o_shape = layout_specs.shape(lay.out, dict(B=p.B, T=p.T, N=p.N, D=p.D))
+  else:
+    q, k, v = _to_tiles(p, layout, query, key, value)
+    q_spec = pl.BlockSpec((None, None, bq, p.H_padded), lambda b, n, i: (b, n, i, 0))
+    k_spec = pl.BlockSpec((None, None, p.S_padded, p.H_padded), lambda b, n, i: (b, n // G, 0, 0))
+    v_spec = pl.BlockSpec((None, None, p.S_padded, p.D_padded), lambda b, n, i: (b, n // G, 0, 0))
+    o_spec = pl.BlockSpec((None, None, bq, p.D_padded), lambda b, n, i: (b, n, i, 0))
+    o_shape = (p.B, p.N, p.T_padded, p.D_padded)
   row_stats = 2 if p.max_logits else 1  # lse, and the running max m when asked
-  out_specs = [pl.BlockSpec((None, None, bq, p.D_padded), lambda b, n, i: (b, n, i, 0)),
-               *[pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))] * row_stats]
-  out_shape = [jax.ShapeDtypeStruct((p.B, p.N, p.T_padded, p.D_padded), value.dtype),
+  out_specs = [o_spec, *[pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))] * row_stats]
+  out_shape = [jax.ShapeDtypeStruct(o_shape, value.dtype),
                *[jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)] * row_stats]
   out, lse, *max_logits = _call(
-      functools.partial(_forward_kernel, p=p, tm=tm), (p.B, p.N, p.T_padded // bq), in_specs,
+      functools.partial(_forward_kernel, p=p, tm=tm), (p.B, p.N, p.T_padded // bq),
+      [q_spec, k_spec, v_spec] + [_whole(x) for x in extras],
       out_specs, out_shape, p, "jattn_flex_gpu_fwd")(q, k, v, *extras)
+  if not in_place:  # cut the padding, back to the caller's layout
+    out = jnp.einsum(f"BNTD->{lay.out}", out[:, :, :p.T, :p.D])
   return out, lse, max_logits[0] if max_logits else None
+
+
+# program ids (b, n or h, i or j) -> the block index of one letter, for `layout_specs.spec`
+_b = lambda b, n, i: b
+_n = lambda b, n, i: n
+_i = lambda b, n, i: i
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
@@ -303,26 +324,58 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
 
 def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
   """-> (dq, dk, dv) float32 in the inputs' layouts; out, d_out in the query's layout
-  (with D), lse float32 [B, N, T]."""
+  (with D), lse float32 [B, N, T]. Read and written where they lie when
+  `layout_specs.applies`, else through zero-padded [B, heads, tokens, features] copies."""
   lay = batched(layout)
-  q, k, v = _to_tiles(p, layout, query, key, value)
-  o = jnp.einsum(f"{lay.out}->BNTD", with_batch(out, layout)).astype(jnp.float32)
-  do = jnp.einsum(f"{lay.out}->BNTD", with_batch(d_out, layout))
-  delta = _pad_to(jnp.sum(o * do.astype(jnp.float32), axis=-1), 2, p.T_padded)  # [B, N, Tp]
+  in_place = layout_specs.applies(p, layout)
+  o, do = with_batch(out, layout), with_batch(d_out, layout)
+  # delta = rowsum(out * d_out) [B, N, Tp]
+  delta = _pad_to(jnp.einsum(f"{lay.out},{lay.out}->BNT", o.astype(jnp.float32),
+                             do.astype(jnp.float32)), 2, p.T_padded)
   lse = _pad_to(lse, 2, p.T_padded)
-  do = _pad_to(_pad_to(do.astype(query.dtype), 2, p.T_padded), 3, p.D_padded)
   tm, extras = _extras(p, modifiers, modifiers.mods)
   G, bq, bk = p.N // p.K, p.block_q, p.block_kv
   Hp, Dp, Tp, Sp = p.H_padded, p.D_padded, p.T_padded, p.S_padded
-
-  # dq: a program per query tile, over its kv tiles
-  row = lambda width: pl.BlockSpec((None, None, bq, width), lambda b, n, i: (b, n, i, 0))
-  kv_all = lambda width: pl.BlockSpec((None, None, Sp, width), lambda b, n, i: (b, n // G, 0, 0))
+  nq = Tp // bq
   stat = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
   reads = pl.BlockSpec((None, None, None, p.reads_padded), lambda b, n, i: (b, n, i, 0))
-  nq = Tp // bq
-  out_specs = [row(Hp), reads, reads]
-  out_shape = [jax.ShapeDtypeStruct((p.B, p.N, Tp, Hp), jnp.float32),
+  by_kv = lambda b, n, i: n // G
+  if in_place:  # every tile where it lies: the query's, key's and value's layouts
+    q, k, v = (with_batch(x, layout) for x in (query, key, value))
+    do = do.astype(query.dtype)
+    q_row, do_row = (spec(lay.query, dict(T=bq, H=Hp), dict(B=_b, T=_i, N=_n)),
+                     spec(lay.out, dict(T=bq, D=Dp), dict(B=_b, T=_i, N=_n)))
+    k_all, v_all = (spec(lay.key, dict(S=Sp, H=Hp), dict(B=_b, K=by_kv)),
+                    spec(lay.value, dict(S=Sp, D=Dp), dict(B=_b, K=by_kv)))
+    dq_shape = layout_specs.shape(lay.query, dict(B=p.B, T=Tp, N=p.N, H=Hp))
+    # the dk/dv kernel: the G query heads of kv head h, every query token
+    q_group, do_group = (spec(lay.query, dict(T=Tp, N=G, H=Hp), dict(B=_b, N=_n)),
+                         spec(lay.out, dict(T=Tp, N=G, D=Dp), dict(B=_b, N=_n)))
+    k_row, v_row = (spec(lay.key, dict(S=bk, H=Hp), dict(B=_b, S=_i, K=_n)),
+                    spec(lay.value, dict(S=bk, D=Dp), dict(B=_b, S=_i, K=_n)))
+    dk_shape = layout_specs.shape(lay.key, dict(B=p.B, S=Sp, K=p.K, H=Hp))
+    dv_shape = layout_specs.shape(lay.value, dict(B=p.B, S=Sp, K=p.K, D=Dp))
+    group, group_first = (lambda x: x), layout_specs.group_first(layout)
+  else:
+    q, k, v = _to_tiles(p, layout, query, key, value)
+    do = _pad_to(_pad_to(jnp.einsum(f"{lay.out}->BNTD", do).astype(query.dtype), 2, Tp), 3, Dp)
+    row = lambda width: pl.BlockSpec((None, None, bq, width), lambda b, n, i: (b, n, i, 0))
+    kv_all = lambda width: pl.BlockSpec((None, None, Sp, width),
+                                        lambda b, n, i: (b, n // G, 0, 0))
+    q_row, do_row, k_all, v_all = row(Hp), row(Dp), kv_all(Hp), kv_all(Dp)
+    dq_shape = (p.B, p.N, Tp, Hp)
+    q_all = lambda width: pl.BlockSpec((None, None, G, Tp, width),
+                                       lambda b, h, j: (b, h, 0, 0, 0))
+    q_group, do_group = q_all(Hp), q_all(Dp)
+    kv_row = lambda width: pl.BlockSpec((None, None, bk, width), lambda b, h, j: (b, h, j, 0))
+    k_row, v_row = kv_row(Hp), kv_row(Dp)
+    dk_shape, dv_shape = (p.B, p.K, Sp, Hp), (p.B, p.K, Sp, Dp)
+    group = lambda x: x.reshape(p.B, p.K, G, *x.shape[2:])
+    group_first = True
+
+  # dq: a program per query tile, over its kv tiles
+  out_specs = [q_row, reads, reads]
+  out_shape = [jax.ShapeDtypeStruct(dq_shape, jnp.float32),
                jax.ShapeDtypeStruct((p.B, p.N, nq, p.reads_padded), jnp.float32),
                jax.ShapeDtypeStruct((p.B, p.N, nq, p.reads_padded), jnp.int32)]
   if p.table_reads:  # per program: a gradient row per table read, the table rows read
@@ -334,27 +387,25 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
                   jax.ShapeDtypeStruct((p.B, p.N, nq, p.table_reads_padded), jnp.int32)]
   dq, d_reads, flats, *table_parts = _call(
       functools.partial(_dq_kernel, p=p, tm=tm), (p.B, p.N, nq),
-      [row(Hp), kv_all(Hp), kv_all(Dp), row(Dp), stat, stat] + [_whole(x) for x in extras],
+      [q_row, k_all, v_all, do_row, stat, stat] + [_whole(x) for x in extras],
       out_specs, out_shape, p, "jattn_flex_gpu_dq")(q, k, v, do, lse, delta, *extras)
 
   # dk, dv: a program per kv tile of kv head h, over the G query heads of h and their
-  # query tiles; the group is summed in registers (no atomics)
-  group = lambda x: x.reshape(p.B, p.K, G, *x.shape[2:])
-  q_all = lambda width: pl.BlockSpec((None, None, G, Tp, width), lambda b, h, j: (b, h, 0, 0, 0))
+  # query tiles; the group is summed in registers (no atomics). lse and delta [B, K, G, Tp]
   stat_all = pl.BlockSpec((None, None, G, Tp), lambda b, h, j: (b, h, 0, 0))
-  kv_row = lambda width: pl.BlockSpec((None, None, bk, width), lambda b, h, j: (b, h, j, 0))
+  by_group = lambda x: x.reshape(p.B, p.K, G, Tp)
   dk, dv = _call(
-      functools.partial(_dkv_kernel, p=p, tm=tm), (p.B, p.K, Sp // bk),
-      [q_all(Hp), kv_row(Hp), kv_row(Dp), q_all(Dp), stat_all, stat_all]
-      + [_whole(x) for x in extras],
-      [kv_row(Hp), kv_row(Dp)],
-      [jax.ShapeDtypeStruct((p.B, p.K, Sp, Hp), jnp.float32),
-       jax.ShapeDtypeStruct((p.B, p.K, Sp, Dp), jnp.float32)], p, "jattn_flex_gpu_dkv",
-  )(group(q), k, v, group(do), group(lse), group(delta), *extras)
+      functools.partial(_dkv_kernel, p=p, tm=tm, group_first=group_first), (p.B, p.K, Sp // bk),
+      [q_group, k_row, v_row, do_group, stat_all, stat_all] + [_whole(x) for x in extras],
+      [k_row, v_row],
+      [jax.ShapeDtypeStruct(dk_shape, jnp.float32), jax.ShapeDtypeStruct(dv_shape, jnp.float32)],
+      p, "jattn_flex_gpu_dkv",
+  )(group(q), k, v, group(do), by_group(lse), by_group(delta), *extras)
 
-  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
-  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
-  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
+  if not in_place:  # cut the padding, back to the caller's layouts
+    dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
+    dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
+    dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
   if not layout.has_batch:
     dq, dk, dv = dq[0], dk[0], dv[0]
   return dq, dk, dv, _consts_grads(p, tm, d_reads, flats, table_parts)
@@ -452,7 +503,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
     ref[...] = x
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods,
+                group_first: bool):
+  """dk, dv of one kv tile. q_ref, do_ref: the G query heads of its kv head, [G, Tp, .]
+  (group_first) or [Tp, G, .] (a layout with tokens before heads, read in place)."""
   r = _Reads(p, tm, refs[:-2])
   dk_ref, dv_ref = refs[-2:]
   b, h, j = (pl.program_id(a) for a in range(3))
@@ -466,7 +520,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
       dk, dv = carry
       i = r.q_tile(b, n, j, step)
       rows = pl.ds(i * bq, bq)
-      q, do = q_ref[g, rows, :], do_ref[g, rows, :]
+      if group_first:
+        q, do = q_ref[g, rows, :], do_ref[g, rows, :]
+      else:
+        q, do = q_ref[rows, g, :], do_ref[rows, g, :]
       probs, ds = _by_class(r, b, n, i, j, lambda full: _tile_grads(
           p, r, b, n, i, j, q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], full)[:2])
       dv = dv + _dot(probs.astype(do.dtype), do, ((0,), (0,)), do.dtype)  # dV += P^T dO

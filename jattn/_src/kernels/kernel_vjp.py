@@ -32,15 +32,17 @@ def without_batch(x, layout):
   return x if layout.has_batch else x[0]
 
 
-def padded_kernel_run(kernels):
+def padded_kernel_run(kernels, *, out_in_layout: bool = False):
   """`kernel_run` for GPU kernels whose forward returns out [B, N, T', D'] and lse, max
   logits [B, N, T'] padded to their tiles (T' >= T, D' >= D): the padding is cut off and
-  out moved to the caller's layout. kernels() -> the kernels' module (`forward`,
-  `backward`), imported on first use."""
+  out moved to the caller's layout (out_in_layout: the forward gives out in the batched
+  layout already, unpadded). kernels() -> the kernels' module (`forward`, `backward`),
+  imported on first use."""
 
   def forward(p, layout: Layout, query, key, value, modifiers):
     out, lse, max_logits = kernels().forward(p, layout, query, key, value, modifiers)
-    out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
+    if not out_in_layout:
+      out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
     max_logits = None if max_logits is None else max_logits[:, :, :p.T]
     return without_batch(out, layout), lse[:, :, :p.T], max_logits
 
