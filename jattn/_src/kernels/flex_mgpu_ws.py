@@ -107,7 +107,7 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
 
 def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
   """The reference kernels' dq and dk/dv (64 x 64 tiles), from this forward's out, lse."""
-  slow = dataclasses.replace(p, fast=False, block_q=ref._TILE, block_kv=ref._TILE)
+  slow = dataclasses.replace(p, fast=False, block_q=_BQ, block_kv=_BQ)
   return ref.backward(slow, layout, query, key, value, modifiers, out, lse, d_out)
 
 
