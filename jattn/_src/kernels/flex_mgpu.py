@@ -102,15 +102,18 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   """
   del block_q, block_kv
   m = modifiers
+  if fast:  # before the interpreter's absence: this path never runs interpreted
+    reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws") or (
+        interpret and (
+            "the warp-specialised forward runs compiled only (the GPU interpreter runs no "
+            "setmaxnreg, register operand of wgmma or carried accumulator); 'flex_mgpu' is "
+            "its interpretable reference"))
+    if reason:
+      return reason
   reason = compat.missing("pallas_mosaic_gpu") or (
       interpret and compat.missing("mosaic_gpu_interpret")) or kernel_plan.common_refusal(
           B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype, dtypes=_DTYPES, modifiers=m,
           return_weights=return_weights, platform="GPU")
-  if not reason and fast:
-    reason = compat.missing("pallas_mosaic_gpu_ws") or (interpret and (
-        "the warp-specialised forward runs compiled only (the GPU interpreter runs no "
-        "setmaxnreg, register operand of wgmma or carried accumulator); 'flex_mgpu' is "
-        "its interpretable reference"))
   if reason:
     if np.dtype(dtype) == np.float32 and reason.startswith("dtype"):
       reason += " (wgmma would round float32 to TF32; flex_gpu takes float32)"
