@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 import jattn  # noqa: E402
 from jattn import mods  # noqa: E402
 from jattn._src.impl.interpret import pallas_interpret  # noqa: E402
+from jattn._src.kernels import flex_mgpu  # noqa: E402
 from benchmarks import gpu_kernels as bench  # noqa: E402
 from tests.reference import reference_mods  # noqa: E402
 
@@ -254,6 +255,11 @@ def _jax_contenders(case, B, T, N, impls, smoke):
   out = {impl: attend(impl) for impl in impls}
   if case == "causal":
     out[f"{impls[0]}:mask_mod"] = attend(impls[0], dict(mask_mod=mods.causal()))
+  if FAST in impls:  # its other kv tile (64 keys; 128 is the default at H = 128)
+    def kv64(q, k, v):
+      with flex_mgpu.ws_kv_tile(64):
+        return attend(FAST)(q, k, v)
+    out[f"{FAST}:kv64"] = kv64
   if not smoke:
     out["flex_gpu"] = attend("flex_gpu")
     if case == "causal":

@@ -23,6 +23,8 @@ Sinks join after the kernel, as in "blockwise".
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -147,8 +149,26 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
 
 
+# "flex_mgpu_ws"'s kv tile when set (`ws_kv_tile`): for timing both on a card
+_WS_KV_TILE = contextvars.ContextVar("flex_mgpu_ws_kv_tile", default=None)
+
+
 def _ws_kv_tile(E: int) -> int:
-  return 128 if E <= 128 else 64  # as flex_mgpu_ws.kv_tile (which imports Pallas)
+  """The fast forward's kv tile: 128 keys up to E = 128 (K and V slots 128 KiB of SMEM,
+  S 64 registers per consumer thread), else 64. NOT MEASURED on a GPU."""
+  return _WS_KV_TILE.get() or (128 if E <= 128 else 64)
+
+
+@contextlib.contextmanager
+def ws_kv_tile(block_kv: int):
+  """"flex_mgpu_ws" calls planned in this block use kv tiles of `block_kv` (64 or 128)."""
+  if block_kv not in (64, 128):
+    raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
+  token = _WS_KV_TILE.set(block_kv)
+  try:
+    yield
+  finally:
+    _WS_KV_TILE.reset(token)
 
 
 @functools.lru_cache(maxsize=None)
