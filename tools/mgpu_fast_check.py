@@ -2,7 +2,7 @@
 GPU, in one process and under 4 minutes: its values against float64, then its speed.
 
     PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 tools/mgpu_fast_check.py
-        [--out DIR] [--deadline 210] [--lengths 4096 16384] [--rounds 5]
+        [--out DIR] [--deadline 170] [--lengths 4096 16384] [--rounds 5]
     python tools/mgpu_fast_check.py --smoke --out /tmp/rehearsal   # on a CPU: the script
         # runs end to end with the interpretable "flex_mgpu" standing in (tiny shapes)
 
@@ -327,7 +327,7 @@ def _error(e: BaseException) -> str:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "mgpu_fast_check_out"))
-  parser.add_argument("--deadline", type=float, default=210.0,
+  parser.add_argument("--deadline", type=float, default=170.0,
                       help="seconds after which no new case starts")
   parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
   parser.add_argument("--rounds", type=int, default=5)
