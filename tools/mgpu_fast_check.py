@@ -16,7 +16,8 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
    flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), torch FlexAttention (compiled; its
    FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
-   rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios.
+   rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
+   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's).
 Each case's failure is caught, printed and recorded; the next case runs. New work stops
 starting after --deadline seconds. JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
 """
@@ -203,46 +204,62 @@ def _grads(q, k, v, g):
 # ---------------------------------------------------------------- 2. speed
 
 
+def speed_jobs(lengths):
+  """(T, case, backward) in the order they run: the forward cases at the first length,
+  causal forward + backward there, then the forward cases at the other lengths."""
+  jobs = []
+  for x, T in enumerate(lengths):
+    jobs += [(T, case, False) for case in ("causal", "documents", "soft_cap")]
+    if x == 0:
+      jobs.append((T, "causal", True))
+  return jobs
+
+
 def measure_speed(args, out, deadline, impls):
   torch_device, note = bench._torch_device(argparse.Namespace(torch=True, smoke=args.smoke))
   out["torch"] = note
   say(f"[speed] torch: {note}")
   N, H = (2, 32) if args.smoke else (16, 128)
-  for T in args.lengths:
+  inputs = {}
+  for T, case, backward in speed_jobs(args.lengths):
+    pass_ = "fwd+bwd" if backward else "fwd"
+    if time.perf_counter() > deadline:
+      out["skipped"].append(dict(stage="speed", T=T, case=case, pass_=pass_))
+      say(f"[speed] T={T} {case} {pass_}: skipped (deadline)")
+      continue
     B = 1 if args.smoke else max(1, 8192 // T)
-    jx, th = bench._inputs(B, T, N, H, "bfloat16", torch_device)
-    for case in ("causal", "documents", "soft_cap"):
+    if T not in inputs:
+      inputs = {T: bench._inputs(B, T, N, H, "bfloat16", torch_device)}  # one length held
+    jx, th = inputs[T]
+    contenders = _jax_contenders(case, B, T, N, impls, args.smoke)
+    if backward:  # the kv tile variant and the mask_mod spelling: forward only
+      contenders = {n: f for n, f in contenders.items() if ":" not in n}
+    timers = {}
+    for name, fn in contenders.items():
       if time.perf_counter() > deadline:
-        out["skipped"].append(dict(stage="speed", T=T, case=case))
-        say(f"[speed] T={T} {case}: skipped (deadline)")
-        continue
-      contenders = _jax_contenders(case, B, T, N, impls, args.smoke)
-      timers = {}
-      for name, fn in contenders.items():
+        break
+      timers[name] = _timer(out, T, case, name, lambda: _make(args, fn, jx, backward))
+    if th is not None and time.perf_counter() < deadline:
+      for name, fn in _torch_contenders(case, B, T, N, torch_device, out, backward).items():
         if time.perf_counter() > deadline:
           break
-        timers[name] = _timer(out, T, case, name, lambda: _make(args, fn, jx))
-      if th is not None and time.perf_counter() < deadline:
-        for name, fn in _torch_contenders(case, B, T, N, torch_device, out).items():
-          if time.perf_counter() > deadline:
-            break
-          timers[name] = _timer(out, T, case, name, lambda: bench.torch_timer(fn, th, False))
-      timers = {n: t for n, t in timers.items() if t is not None}
-      if args.smoke:
-        timers = {n: (lambda t: lambda: _in_context(args, t))(t) for n, t in timers.items()}
-      times = bench.interleaved(timers, args.rounds)
-      flops = 4 * B * N * H * T * T * bench.visible_fraction(case, T)
-      rows = {}
-      for name, ts in times.items():
-        med = statistics.median(ts)
-        rows[name] = dict(T=T, B=B, case=case, contender=name, ms=1e3 * med,
-                          tflops=flops / med / 1e12, spread=(max(ts) - min(ts)) / med)
-        out["speed"].append(rows[name])
-      fast = rows.get(FAST)
-      for name, row in sorted(rows.items(), key=lambda x: x[1]["ms"]):
-        ratio = f"  {FAST} / this {fast['ms'] / row['ms']:.2f}" if fast else ""
-        say(f"[speed] T={T:<6d} B={B} {case:9s} fwd {name:22s} {row['ms']:8.3f} ms "
-            f"{row['tflops']:6.1f} TFLOP/s{ratio}")
+        timers[name] = _timer(out, T, case, name, lambda: bench.torch_timer(fn, th, backward))
+    timers = {n: t for n, t in timers.items() if t is not None}
+    if args.smoke:
+      timers = {n: (lambda t: lambda: _in_context(args, t))(t) for n, t in timers.items()}
+    times = bench.interleaved(timers, args.rounds)
+    flops = 4 * B * N * H * T * T * bench.visible_fraction(case, T) * (2.5 if backward else 1)
+    rows = {}
+    for name, ts in times.items():
+      med = statistics.median(ts)
+      rows[name] = dict(T=T, B=B, case=case, pass_=pass_, contender=name, ms=1e3 * med,
+                        tflops=flops / med / 1e12, spread=(max(ts) - min(ts)) / med)
+      out["speed"].append(rows[name])
+    fast = rows.get(FAST)
+    for name, row in sorted(rows.items(), key=lambda x: x[1]["ms"]):
+      ratio = f"  {FAST} / this {fast['ms'] / row['ms']:.2f}" if fast else ""
+      say(f"[speed] T={T:<6d} B={B} {case:9s} {pass_:7s} {name:22s} {row['ms']:8.3f} ms "
+          f"{row['tflops']:6.1f} TFLOP/s{ratio}")
 
 
 def _jax_contenders(case, B, T, N, impls, smoke):
@@ -268,7 +285,7 @@ def _jax_contenders(case, B, T, N, impls, smoke):
   return out
 
 
-def _torch_contenders(case, B, T, N, device, out):
+def _torch_contenders(case, B, T, N, device, out, backward=False):
   """FlexAttention (Triton; FLASH where this torch has it) and SDPA, from the benchmark."""
   try:
     got = bench.torch_contenders(case, B, T, N, device)
@@ -276,7 +293,9 @@ def _torch_contenders(case, B, T, N, device, out):
     out["errors"].append(dict(T=T, case=case, contender="torch", error=_error(e)))
     say(f"[speed] T={T} {case}: torch contenders failed: {_error(e)[:300]}")
     return {}
-  if device == "cuda" and "torch_flex" in got:
+  if device == "cpu" and backward:  # FlexAttention has no CPU backward
+    got.pop("torch_flex", None)
+  if device == "cuda" and "torch_flex" in got and not backward:
     flex = got["torch_flex"]
     got["torch_flex:FLASH"] = lambda q, k, v: _flash(flex, q, k, v)
   return got
@@ -290,9 +309,9 @@ def _flash(flex, q, k, v):
                        kernel_options={"BACKEND": "FLASH"})
 
 
-def _make(args, fn, inputs):
+def _make(args, fn, inputs, backward=False):
   with _context(args):
-    return bench.jax_timer(fn, inputs, False)
+    return bench.jax_timer(fn, inputs, backward)
 
 
 def _in_context(args, timer):
