@@ -133,10 +133,15 @@ def _side_scratch(where, arrays, bk: int) -> dict:
 # ---------------------------------------------------------------- the kernel
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
+def _program(p: Plan, tm, where, arrays, refs, smem, kv_at):
+  """What a program of the forward and dq kernels shares: its indices, the side inputs'
+  copies, and the producer warpgroup (K, V tiles by `kv_at(ref, b, h, rows)`).
+
+  -> (gmem side refs, the rest of refs, (i, n, b, wg), the program's `_Side`,
+  wait_side(), count()). Programs run heaviest first: i counts down (causal rows)."""
   gmem = dict(zip(where.names, refs[:len(where.names)]))
-  o_ref, lse_ref, *max_ref = refs[len(where.names):]
-  i, n, b, wg = (lax.axis_index(a) for a in ("i", "n", "b", "wg"))
+  i = (p.T_padded // p.block_q - 1) - lax.axis_index("i")
+  n, b, wg = (lax.axis_index(a) for a in ("n", "b", "wg"))
   h = lax.div(n, jnp.int32(p.N // p.K))
   bc, nc = ref._bc_nc(p, where, arrays, b, n)
   side_copies = []  # (source, destination) of the side inputs, copied once
@@ -164,7 +169,24 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
     for x, (src, dst) in enumerate(side_copies):
       plgpu.copy_gmem_to_smem(src, dst, side_bars.at[x])
     wait_side()
-    _produce(p, side, smem, gmem, k_ref, v_ref, b, h, count())
+    _produce(p, side, smem, gmem, kv_at, b, h, count())
+
+  return gmem, refs[len(where.names):], (i, n, b, wg), side, wait_side, count
+
+
+def _consumer_side(p, tm, where, gmem, smem, wg):
+  """A consumer's `_Side`: its own 64 query rows' per-token rows."""
+  mine = dict(smem)
+  if "q_rows" in smem:
+    mine["q_rows"] = smem["q_rows"].at[wg]
+  return ref._Side(p, tm, where, gmem, mine, "t")
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
+  kv_at = lambda x, b, h, rows: (k_ref if x == "k" else v_ref).at[b, rows, h]
+  gmem, outs, (i, n, b, wg), side, wait_side, count = _program(
+      p, tm, where, arrays, refs, smem, kv_at)
+  o_ref, lse_ref, *max_ref = outs
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
@@ -174,10 +196,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _BQ), n], qo, smem["q_bars"].at[wg])
     wait_side()
     plgpu.barrier_wait(smem["q_bars"].at[wg])
-    mine = dict(smem)
-    if "q_rows" in smem:
-      mine["q_rows"] = smem["q_rows"].at[wg]
-    side_c = ref._Side(p, tm, where, gmem, mine, "t")
+    side_c = _consumer_side(p, tm, where, gmem, smem, wg)
     acc, m, l = _consume(p, side_c, smem, qo, b, n, i * _CONSUMERS + wg, wg, count())
     seen = l > 0.0
     safe_l = jnp.where(seen, l, 1.0)
@@ -195,17 +214,19 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _produce(p: Plan, side, smem, gmem, k_ref, v_ref, b, h, count):
+def _produce(p: Plan, side, smem, gmem, kv_at, b, h, count):
   """The producer: the visited kv tiles' K, V (and key-side rows) into the stage ring."""
   bk = p.block_kv
 
   def copy_k(k, slot):
     rows = pl.ds(side.step(k)[0] * bk, bk)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], smem["k"].at[slot], smem["k_bars"].at[slot])
+    plgpu.copy_gmem_to_smem(kv_at("k", b, h, rows), smem["k"].at[slot],
+                            smem["k_bars"].at[slot])
 
   def copy_v(k, slot):  # the key-side rows are read before P V: released with V
     rows = pl.ds(side.step(k)[0] * bk, bk)
-    plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], smem["v"].at[slot], smem["v_bars"].at[slot])
+    plgpu.copy_gmem_to_smem(kv_at("v", b, h, rows), smem["v"].at[slot],
+                            smem["v_bars"].at[slot])
     if "kv_rows" in gmem:
       plgpu.copy_gmem_to_smem(gmem["kv_rows"].at[:, rows], smem["kv_rows"].at[slot],
                               smem["rows_bars"].at[slot])
