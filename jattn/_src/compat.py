@@ -62,6 +62,10 @@ APIS = {
                                   "barrier_wait", "commit_smem", "wait_smem_to_gmem",
                                   "broadcasted_iota", "layout_cast", "load"),
                           "the 'flex_mgpu' kernel"),
+    # what the warp-specialised forward ("flex_mgpu_ws") adds: warpgroups, setmaxnreg
+    "pallas_mosaic_gpu_ws": (_module("jax.experimental.pallas.mosaic_gpu", "set_max_registers",
+                                     "barrier_arrive", "CompilerParams"),
+                             "the 'flex_mgpu_ws' kernel"),
     # the GPU interpreter (jax >= 0.11): runs Mosaic GPU kernels on a CPU, with race detection
     "mosaic_gpu_interpret": (_module("jax.experimental.pallas.mosaic_gpu", "InterpretGPUParams"),
                              "the 'flex_mgpu' kernel in interpret mode"),

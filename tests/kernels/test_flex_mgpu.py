@@ -269,3 +269,63 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
             "flex_gpu runs there") in str(report), str(report)
   monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (9, 0))
   assert "compute capability" not in str(jattn.explain(q, q, q, implementation="flex_mgpu"))
+
+
+# ---------------------------------------------------------------- flex_mgpu_ws
+
+needs_ws = pytest.mark.skipif(
+    compat.missing("pallas_mosaic_gpu_ws") is not None,
+    reason=f"no warp-specialised Mosaic GPU API: {compat.missing('pallas_mosaic_gpu_ws')}")
+
+
+def _exported_ws(kw, fn, E=128, T=384, S=384):
+  q = jax.ShapeDtypeStruct((2, T, 4, E), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, S, 2, E), jnp.bfloat16)
+  f = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation="flex_mgpu_ws", **kw)
+  if fn == "grad":
+    f = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2),
+                 argnums=(0, 1, 2))
+  with jattn.lowering_for("cuda"):
+    return export.export(jax.jit(f), platforms=["cuda"])(q, kv, kv).mlir_module()
+
+
+@needs_ws
+@pytest.mark.parametrize("case", [
+    "hand_written_E64", "document_soft_cap_sinks_E256",
+    *(pytest.param(c, marks=pytest.mark.thorough)
+      for c in ("alibi_prefix_lm", "window_segments_lengths"))])
+def test_ws_export_for_cuda_has_its_forward_and_the_reference_backward(case):
+  """flex_mgpu_ws lowers (Mosaic's layouts, SMEM) to one warp-specialised forward
+  kernel; its gradient adds flex_mgpu's dq and dk/dv kernels; nothing [T, S]. T = 200
+  (unaligned to the 128-row programs) against S = 384."""
+  kw, E = EXPORTED[case]
+  kw = {key: (np.zeros((2, 200), int) if key == "q_segment_ids" else x) for key, x in kw.items()}
+  if "mask_mod" in kw and "document" in case:
+    kw["mask_mod"] = mods.document(jnp.zeros((2, 200), jnp.int32), jnp.zeros((2, 384), jnp.int32))
+  for fn, kernels in (("forward", {"ws_fwd"}), ("grad", {"ws_fwd", "dq", "dkv"})):
+    text = _exported_ws(kw, fn, E, T=200)
+    assert set(re.findall(r"jattn_flex_mgpu_(ws_fwd|fwd|dq|dkv)", text)) == kernels, fn
+    assert text.count(MOSAIC) == len(kernels), fn
+    assert not re.search(r"tensor<[^>]*(200x384|384x384)", text), fn
+
+
+def test_ws_is_named_only_compiled_only_and_hopper_only(monkeypatch):
+  """flex_mgpu_ws is never the default, refuses interpret mode (the GPU interpreter runs
+  neither setmaxnreg nor a register operand of wgmma) and a GPU other than Hopper."""
+  from jattn._src.kernels import flex_mgpu
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  report = jattn.explain(q, q, q, mask_mod=mods.causal())
+  assert "flex_mgpu_ws" not in report.implementation("cuda")
+  with pallas_interpret():
+    interpreted = str(jattn.explain(q, q, q, implementation="flex_mgpu_ws", is_causal=True))
+  reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws")
+  assert (reason or "the warp-specialised forward runs compiled only") in interpreted
+  for capability, words in (((8, 0), "TMA and wgmma need 9.0"),
+                            ((10, 0), "written for Hopper's wgmma and setmaxnreg (9.x)")):
+    monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda c=capability: c)
+    text = str(jattn.explain(q, q, q, implementation="flex_mgpu_ws", is_causal=True))
+    assert (reason or words) in text, text
+  monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (9, 0))
+  report = jattn.explain(q, q, q, implementation="flex_mgpu_ws", is_causal=True)
+  if reason is None:
+    assert report.implementation("cuda") == "flex_mgpu_ws", str(report)

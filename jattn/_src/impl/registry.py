@@ -93,9 +93,9 @@ def _blockwise_plan(call, platform):
   return BlockwisePlan(call.block_sizes or default_block_sizes(platform))
 
 
-def _flex_plan(kernel):
+def _flex_plan(kernel, **options):
   """plan(call, platform) of jattn's own kernels (flex_tpu, flex_gpu): the call's static
-  facts handed to the kernel's `plan`."""
+  facts (and `options`) handed to the kernel's `plan`."""
   def plan(call, platform):
     if not isinstance(call.scale, (int, float)):
       return "a traced scale: the kernel takes a Python number"
@@ -109,7 +109,7 @@ def _flex_plan(kernel):
                        return_max_logits=call.return_max_logits,
                        block_q=None if block is None else block.q,
                        block_kv=None if block is None else block.kv,
-                       interpret=call.interpret)
+                       interpret=call.interpret, **options)
   return plan
 
 
@@ -136,6 +136,11 @@ IMPLEMENTATIONS = {
     "flex_mgpu": Implementation(  # jattn's own GPU kernel on Mosaic GPU (Hopper): the same mods
         "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu_call.run, platforms=("cuda",),
         interpretable=True),
+    # its warp-specialised forward (FlashAttention-3's design), compiled only: run where
+    # named, never chosen by implementation=None until a card's figures place it
+    "flex_mgpu_ws": Implementation(
+        "flex_mgpu_ws", _flex_plan(flex_mgpu, fast=True), flex_mgpu_call.run_ws,
+        platforms=("cuda",)),
 }
 # "ring" and "context_parallel" are no entries: each is a shard_map over the context mesh
 # around the blockwise loop (jattn/_src/parallel/ring.py), chosen only by name.

@@ -23,6 +23,8 @@ Sinks join after the kernel, as in "blockwise".
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -61,6 +63,7 @@ class Plan(kernel_plan.TilePlan):
   score_tables: tuple = ()  # always () (refused: Mosaic GPU has no gather)
   offsets: bool = False  # global positions from a ring step's offsets: not wired
   max_logits: bool = False  # the forward also writes each row's running max m
+  fast: bool = False  # "flex_mgpu_ws": the warp-specialised forward (flex_mgpu_ws.py)
 
   @property
   def H_padded(self) -> int:  # E: both heads, so the output tile reuses the query's SMEM
@@ -88,7 +91,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
          modifiers: Modifiers, return_weights: bool = False,
          return_max_logits: bool = False,
          block_q: int | None = None, block_kv: int | None = None,
-         interpret: bool = False) -> Plan | str:
+         interpret: bool = False, fast: bool = False) -> Plan | str:
   """A `Plan` for this call, or the reason (a sentence) the kernel cannot take it.
 
   modifiers: the call's `Modifiers` (its arrays may be tracers or ShapeDtypeStructs:
@@ -96,9 +99,19 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   block_mask's tiles, unused (the tiles are 64 x 64; the classes are recomputed).
   interpret: run the kernels in the Mosaic GPU interpreter (any backend, for tests).
   return_max_logits: the forward also returns each row's largest visible logit.
+  fast: plan "flex_mgpu_ws", the warp-specialised forward (compiled only, Hopper only;
+  its backward is this kernel's).
   """
   del block_q, block_kv
   m = modifiers
+  if fast:  # before the interpreter's absence: this path never runs interpreted
+    reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws") or (
+        interpret and (
+            "the warp-specialised forward runs compiled only (the GPU interpreter runs no "
+            "setmaxnreg, register operand of wgmma or carried accumulator); 'flex_mgpu' is "
+            "its interpretable reference"))
+    if reason:
+      return reason
   reason = compat.missing("pallas_mosaic_gpu") or (
       interpret and compat.missing("mosaic_gpu_interpret")) or kernel_plan.common_refusal(
           B=B, T=T, S=S, N=N, K=K, H=H, D=D, dtype=dtype, dtypes=_DTYPES, modifiers=m,
@@ -111,6 +124,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   if capability is not None and capability < (9, 0):
     return (f"this GPU has compute capability {capability[0]}.{capability[1]}: TMA and "
             "wgmma need 9.0 (Hopper) or newer; flex_gpu runs there")
+  if fast and capability is not None and capability[0] != 9:
+    return (f"this GPU has compute capability {capability[0]}.{capability[1]}: the "
+            "warp-specialised forward is written for Hopper's wgmma and setmaxnreg (9.x)")
   st = m.structure
   if (st.q_segment_ids is None) != (st.kv_segment_ids is None):
     return "segment ids for one side only"
@@ -121,13 +137,38 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     return ("score_mod reads a table at positions (a relative bias): Mosaic GPU has no "
             "gather load; flex_gpu takes it")
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
-  p = Plan(B, T, S, N, K, H, D, _TILE, _TILE, float(m.scale), bool(st.is_causal), window,
+  # the fast forward's program spans two 64-row consumer tiles
+  E = kernel_plan.round_up(max(H, D), _TILE)
+  bq, bk = (2 * _TILE, _ws_kv_tile(E)) if fast else (_TILE, _TILE)
+  p = Plan(B, T, S, N, K, H, D, bq, bk, float(m.scale), bool(st.is_causal), window,
            facts.has_mask, facts.has_score, bool(interpret),
            skip=facts.has_mask or bool(st.is_causal) or window is not None,
            q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
            segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
-           score_reads=facts.score_reads, max_logits=bool(return_max_logits))
+           score_reads=facts.score_reads, max_logits=bool(return_max_logits), fast=fast)
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
+
+
+# "flex_mgpu_ws"'s kv tile when set (`ws_kv_tile`): for timing both on a card
+_WS_KV_TILE = contextvars.ContextVar("flex_mgpu_ws_kv_tile", default=None)
+
+
+def _ws_kv_tile(E: int) -> int:
+  """The fast forward's kv tile: 128 keys up to E = 128 (K and V slots 128 KiB of SMEM,
+  S 64 registers per consumer thread), else 64. NOT MEASURED on a GPU."""
+  return _WS_KV_TILE.get() or (128 if E <= 128 else 64)
+
+
+@contextlib.contextmanager
+def ws_kv_tile(block_kv: int):
+  """"flex_mgpu_ws" calls planned in this block use kv tiles of `block_kv` (64 or 128)."""
+  if block_kv not in (64, 128):
+    raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
+  token = _WS_KV_TILE.set(block_kv)
+  try:
+    yield
+  finally:
+    _WS_KV_TILE.reset(token)
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,6 +221,11 @@ def _side_refusal(p: Plan, m: Modifiers, itemsize: int) -> str | None:
     return (f"{max(sizes[2:])} per-token rows (segment ids, mask_mod's x[t], x[s]) on one "
             f"side: a TMA copy takes up to {_MAX_ROWS}")
   need = smem_bytes(p.H_padded, itemsize, sizes)
+  if p.fast:  # its forward's SMEM, beside the reference backward's
+    ws = (itemsize * p.H_padded * (2 * _TILE + 4 * p.block_kv)
+          + 4 * (sizes[0] + sizes[1] + 64 + 2 * _TILE * sizes[2] + 2 * p.block_kv * sizes[3])
+          + 4 * 4 * _TILE + 1024)
+    need = max(need, ws)
   if need > SMEM_BYTES:
     return (f"its tiles need {need // 1024} KiB of shared memory at head width "
             f"{p.H_padded}, over a Hopper SM's {SMEM_BYTES // 1024} KiB")

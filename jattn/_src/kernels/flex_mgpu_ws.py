@@ -1,0 +1,310 @@
+"""The warp-specialised forward of "flex_mgpu" (`implementation="flex_mgpu_ws"`): the
+FlashAttention-3 design on Pallas Mosaic GPU (Hopper, sm_90a), compiled only.
+
+A program (one thread block, grid (T' / 128, N, B)) has three warpgroups:
+
+  * warpgroup 2, the producer (`setmaxnreg` down to 40 registers): copies by TMA the
+    program's side inputs once, then the K and V tiles of the visited kv tiles into a
+    ring of `_STAGES` SMEM slots, each slot refilled once both consumers have
+    released it (`k_free`, `v_free` barriers, two arrivals);
+  * warpgroups 0 and 1, the consumers (`setmaxnreg` up to 232): each owns a 64-row
+    query tile (rows 128 i + 64 c), copied once; per kv tile, S = q k^T by `wgmma`
+    from SMEM, the tile's mods and masks (`flex_mgpu_kernels._logits`, the shared
+    `tile_mods` evaluation: the same contract as the reference kernel), the online
+    softmax in base 2 (log2(e) folded into the scale: one multiply, `exp2`), and
+    acc += P V by `wgmma` with P from registers into the accumulator carried across
+    the loop (`pl.run_state`), no SMEM round trip. A schedule barrier between the
+    two consumers alternates their tensor-core phases (one's softmax under the
+    other's `wgmma`).
+
+Both consumers visit the same kv tiles: the non-EMPTY tiles of the 128-row span (the
+block classes at tiles of 128 x bk); a FULL tile runs without the mask functions.
+q, k, v are read in [B, T, N, E] order by strided TMA boxes (for the default "BTNH"
+layout with aligned T and E no transpose pass), the output written likewise.
+The backward is the reference kernels' (`flex_mgpu_kernels.backward`, 64 x 64 tiles).
+
+The GPU interpreter runs neither register operands of `wgmma`, an accumulator carried
+by `pl.run_state`, nor `setmaxnreg`, so this path is never interpreted: the
+interpretable "flex_mgpu" is its reference, on the CPU and on the card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._src.core.layout import Layout
+from jattn._src.core.softmax import LARGE_NEGATIVE
+from jattn._src.kernels import flex_mgpu_kernels as ref
+from jattn._src.kernels.kernel_inputs import pad_to
+from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
+
+if TYPE_CHECKING:
+  from jattn._src.kernels.flex_mgpu import Plan
+
+_BQ = 64  # query rows per consumer warpgroup (one wgmma M tile)
+_CONSUMERS = 2
+_STAGES = 2  # K/V slots in SMEM
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_WGMMA = plgpu.Layout.WGMMA
+# registers per thread after setmaxnreg: 2 x 232 + 40 (x 128 threads) <= 64K
+_CONSUMER_REGISTERS = 232
+_PRODUCER_REGISTERS = 40
+
+
+# ---------------------------------------------------------------- the call
+
+
+def forward(p: Plan, layout: Layout, query, key, value, modifiers):
+  """-> (out in `layout`, lse float32 [B, N, T], max logits float32 [B, N, T] or None)."""
+  lay = batched(layout)
+  E, dtype = p.H_padded, query.dtype
+  q = jnp.einsum(f"{lay.query}->BTNH", with_batch(query, layout))
+  k = jnp.einsum(f"{lay.key}->BSKH", with_batch(key, layout))
+  v = jnp.einsum(f"{lay.value}->BSKD", with_batch(value, layout))
+  q = pad_to(pad_to(q, 1, p.T_padded), 3, E)
+  k = pad_to(pad_to(k, 1, p.S_padded), 3, E)
+  v = pad_to(pad_to(v, 1, p.S_padded), 3, E)
+  tm, where, arrays = ref._prepare(p, modifiers)
+  keep = [name != "q_table" for name in where.names]  # the dk/dv kernel's table
+  where = dataclasses.replace(where, names=tuple(n for n, x in zip(where.names, keep) if x))
+  arrays = [a for a, x in zip(arrays, keep) if x]
+  bk = p.block_kv
+  scratch = dict(
+      qo=ref._tile_smem((_CONSUMERS, _BQ, E), dtype),
+      k=ref._tile_smem((_STAGES, bk, E), dtype), v=ref._tile_smem((_STAGES, bk, E), dtype),
+      lse=plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32),
+      q_bars=plgpu.Barrier(num_barriers=_CONSUMERS),
+      k_bars=plgpu.Barrier(num_barriers=_STAGES), v_bars=plgpu.Barrier(num_barriers=_STAGES),
+      k_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+      v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+      schedule=plgpu.Barrier(num_arrivals=_CONSUMERS),
+      **_side_scratch(where, arrays, bk))
+  rows = jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)
+  out_type = (jax.ShapeDtypeStruct((p.B, p.T_padded, p.N, E), dtype), rows)
+  if p.max_logits:
+    scratch["max"] = plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32)
+    out_type += (rows,)
+  body = functools.partial(_kernel, p=p, tm=tm, where=where, arrays=arrays)
+  out, lse, *max_logits = plgpu.kernel(
+      body, out_type=out_type, scratch_types=scratch,
+      grid=(p.T_padded // p.block_q, p.N, p.B), grid_names=("i", "n", "b"),
+      num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name="jattn_flex_mgpu_ws_fwd",
+      compiler_params=plgpu.CompilerParams(approx_math=True))(q, k, v, *arrays)
+  out = jnp.einsum(f"BTND->{lay.out}", out[:, :p.T, :, :p.D])
+  max_logits = max_logits[0][:, :, :p.T] if max_logits else None
+  return without_batch(out, layout), lse[:, :, :p.T], max_logits
+
+
+def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
+  """The reference kernels' dq and dk/dv (64 x 64 tiles), from this forward's out, lse."""
+  slow = dataclasses.replace(p, fast=False, block_q=_BQ, block_kv=_BQ)
+  return ref.backward(slow, layout, query, key, value, modifiers, out, lse, d_out)
+
+
+def _side_scratch(where, arrays, bk: int) -> dict:
+  """SMEM for the side inputs: the table row and scalars once, each consumer's query rows
+  [2, X, 64], the key-side rows per stage [stages, X, bk]."""
+  shapes = dict(zip(where.names, (a.shape for a in arrays)))
+  out = {}
+  if "kv_table" in shapes:
+    out["table"] = plgpu.SMEM(shapes["kv_table"][3:], jnp.int32)
+  for name, dtype in (("ints", jnp.int32), ("floats", jnp.float32)):
+    if name in shapes:
+      out[name] = plgpu.SMEM(shapes[name], dtype)
+  if "q_rows" in shapes:
+    out["q_rows"] = plgpu.SMEM((_CONSUMERS, shapes["q_rows"][0], _BQ), jnp.int32)
+  if "kv_rows" in shapes:
+    out["kv_rows"] = plgpu.SMEM((_STAGES, shapes["kv_rows"][0], bk), jnp.int32)
+    out["rows_bars"] = plgpu.Barrier(num_barriers=_STAGES)
+  out["side_bars"] = plgpu.Barrier(num_barriers=5)
+  return out
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+def _program(p: Plan, tm, where, arrays, refs, smem, kv_at):
+  """What a program of the forward and dq kernels shares: its indices, the side inputs'
+  copies, and the producer warpgroup (K, V tiles by `kv_at(ref, b, h, rows)`).
+
+  -> (gmem side refs, the rest of refs, (i, n, b, wg), the program's `_Side`,
+  wait_side(), count()). Programs run heaviest first: i counts down (causal rows)."""
+  gmem = dict(zip(where.names, refs[:len(where.names)]))
+  i = (p.T_padded // p.block_q - 1) - lax.axis_index("i")
+  n, b, wg = (lax.axis_index(a) for a in ("n", "b", "wg"))
+  h = lax.div(n, jnp.int32(p.N // p.K))
+  bc, nc = ref._bc_nc(p, where, arrays, b, n)
+  side_copies = []  # (source, destination) of the side inputs, copied once
+  if "kv_table" in gmem:
+    side_copies.append((gmem["kv_table"].at[bc, nc, i], smem["table"]))
+  for name in ("ints", "floats"):
+    if name in gmem:
+      side_copies.append((gmem[name], smem[name]))
+  if "q_rows" in gmem:
+    for c in range(_CONSUMERS):
+      side_copies.append((gmem["q_rows"].at[:, pl.ds(i * p.block_q + c * _BQ, _BQ)],
+                          smem["q_rows"].at[c]))
+  side_bars = smem["side_bars"]
+
+  def wait_side():
+    for x in range(len(side_copies)):
+      plgpu.barrier_wait(side_bars.at[x])
+
+  side = ref._Side(p, tm, where, gmem, smem, "t")
+  count = lambda: side.count(p.S_padded // p.block_kv)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    for x, (src, dst) in enumerate(side_copies):
+      plgpu.copy_gmem_to_smem(src, dst, side_bars.at[x])
+    wait_side()
+    _produce(p, side, smem, gmem, kv_at, b, h, count())
+
+  return gmem, refs[len(where.names):], (i, n, b, wg), side, wait_side, count
+
+
+def _consumer_side(p, tm, where, gmem, smem, wg):
+  """A consumer's `_Side`: its own 64 query rows' per-token rows."""
+  mine = dict(smem)
+  if "q_rows" in smem:
+    mine["q_rows"] = smem["q_rows"].at[wg]
+  return ref._Side(p, tm, where, gmem, mine, "t")
+
+
+def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
+  kv_at = lambda x, b, h, rows: (k_ref if x == "k" else v_ref).at[b, rows, h]
+  gmem, outs, (i, n, b, wg), side, wait_side, count = _program(
+      p, tm, where, arrays, refs, smem, kv_at)
+  o_ref, lse_ref, *max_ref = outs
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    row0 = i * p.block_q + wg * _BQ
+    qo = smem["qo"].at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _BQ), n], qo, smem["q_bars"].at[wg])
+    wait_side()
+    plgpu.barrier_wait(smem["q_bars"].at[wg])
+    side_c = _consumer_side(p, tm, where, gmem, smem, wg)
+    acc, m, l = _consume(p, side_c, smem, qo, b, n, i * _CONSUMERS + wg, wg, count())
+    seen = l > 0.0
+    safe_l = jnp.where(seen, l, 1.0)
+    inv = jnp.where(seen, 1.0 / safe_l, 0.0)
+    qo[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(qo.dtype)
+    # m, l are in base 2: lse = ln 2 * (m + log2 l)
+    smem["lse"].at[wg][...] = jnp.where(seen, _LN2 * m + jnp.log(safe_l), LARGE_NEGATIVE)
+    if max_ref:  # a row with no visible key keeps LARGE_NEGATIVE
+      smem["max"].at[wg][...] = jnp.where(m > LARGE_NEGATIVE, _LN2 * m, LARGE_NEGATIVE)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, _BQ), n])
+    plgpu.copy_smem_to_gmem(smem["lse"].at[wg], lse_ref.at[b, n, pl.ds(row0, _BQ)])
+    if max_ref:
+      plgpu.copy_smem_to_gmem(smem["max"].at[wg], max_ref[0].at[b, n, pl.ds(row0, _BQ)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _produce(p: Plan, side, smem, gmem, kv_at, b, h, count):
+  """The producer: the visited kv tiles' K, V (and key-side rows) into the stage ring."""
+  bk = p.block_kv
+
+  def copy_k(k, slot):
+    rows = pl.ds(side.step(k)[0] * bk, bk)
+    plgpu.copy_gmem_to_smem(kv_at("k", b, h, rows), smem["k"].at[slot],
+                            smem["k_bars"].at[slot])
+
+  def copy_v(k, slot):  # the key-side rows are read before P V: released with V
+    rows = pl.ds(side.step(k)[0] * bk, bk)
+    plgpu.copy_gmem_to_smem(kv_at("v", b, h, rows), smem["v"].at[slot],
+                            smem["v_bars"].at[slot])
+    if "kv_rows" in gmem:
+      plgpu.copy_gmem_to_smem(gmem["kv_rows"].at[:, rows], smem["kv_rows"].at[slot],
+                              smem["rows_bars"].at[slot])
+
+  for k in range(_STAGES):
+    @pl.when(k < count)
+    def _():
+      copy_k(k, k)
+      copy_v(k, k)
+
+  def refill(k, carry):  # a slot once both consumers released it
+    slot = lax.rem(k, _STAGES)
+    plgpu.barrier_wait(smem["k_free"].at[slot])
+    copy_k(k, slot)
+    plgpu.barrier_wait(smem["v_free"].at[slot])
+    copy_v(k, slot)
+    return carry
+
+  lax.fori_loop(_STAGES, jnp.maximum(count, _STAGES), refill, None)
+
+
+def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
+  """A consumer's loop over the visited kv tiles -> (acc [64, E] float32, m, l in base 2)."""
+  bk, E = p.block_kv, p.H_padded
+  view = dataclasses.replace(p, block_q=_BQ)  # positions of this consumer's 64-row tile
+  schedule = smem["schedule"]
+
+  def take_turn():  # both consumers pass: their tensor-core phases alternate
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+  # with no score_mod, the masks alone: log2(e) joins the scale (where() keeps
+  # LARGE_NEGATIVE as is); a score_mod sees natural logits, scaled after
+  has_score = side.tm.score_jaxpr is not None
+  first = p.scale if has_score else p.scale * _LOG2E
+
+  def body(k, carry):
+    acc, m, l = carry
+    slot = lax.rem(k, _STAGES)
+    j, full = side.step(k)
+    plgpu.barrier_wait(smem["k_bars"].at[slot])
+
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, qo, smem["k"].at[slot].T)
+      take_turn()
+      return acc_ref[...]
+
+    s = pl.run_scoped(qk, plgpu.ACC((_BQ, bk), jnp.float32)) * first
+    plgpu.barrier_arrive(smem["k_free"].at[slot])
+    if "rows_bars" in smem:
+      plgpu.barrier_wait(smem["rows_bars"].at[slot])
+    s = ref._by_class(full, lambda full: ref._logits(
+        view, side, b, n, tile, j, s, slot, transposed=False, full=full)[0])
+    if has_score:
+      s = s * _LOG2E
+    m_next = jnp.maximum(m, s.max(axis=1))
+    # a row with no visible key yet keeps m = LARGE_NEGATIVE: shift it by 0
+    shift = jnp.where(m_next > LARGE_NEGATIVE, m_next, 0.0)
+    probs = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+    alpha = jnp.exp2(m - m_next)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    l = alpha * l + probs.sum(axis=1)
+    probs = probs.astype(qo.dtype)
+    plgpu.barrier_arrive(schedule)  # softmax done
+    plgpu.barrier_wait(smem["v_bars"].at[slot])
+    plgpu.barrier_wait(schedule)  # the other consumer's P V issued: the tensor cores free
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, probs, smem["v"].at[slot])
+
+    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    plgpu.barrier_arrive(smem["v_free"].at[slot])
+    return acc, m_next, l
+
+  init = (plgpu.layout_cast(jnp.zeros((_BQ, E), jnp.float32), _WGMMA),
+          plgpu.layout_cast(jnp.full((_BQ,), LARGE_NEGATIVE, jnp.float32), _WGMMA.reduce(1)),
+          plgpu.layout_cast(jnp.zeros((_BQ,), jnp.float32), _WGMMA.reduce(1)))
+  pl.when(wg == 1)(take_turn)
+  out = lax.fori_loop(0, count, body, init)
+  pl.when(wg == 0)(take_turn)
+  return out

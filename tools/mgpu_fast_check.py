@@ -1,0 +1,395 @@
+"""The check of "flex_mgpu_ws" (the warp-specialised Mosaic GPU forward) on a lent Hopper
+GPU, in one process and under 4 minutes: its values against float64, then its speed.
+
+    PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 tools/mgpu_fast_check.py
+        [--out DIR] [--deadline 170] [--lengths 4096 16384] [--rounds 5]
+    python tools/mgpu_fast_check.py --smoke --out /tmp/rehearsal   # on a CPU: the script
+        # runs end to end with the interpretable "flex_mgpu" standing in (tiny shapes)
+
+1. values (bfloat16, H = 128): flex_mgpu_ws's out and lse against the float64 NumPy
+   reference (tests/reference.py) for causal, 16 documents, a sliding window, soft-cap,
+   ALiBi, chunked, prefix-LM, grouped heads (N = 8, K = 2), T != S, unaligned T, a fully
+   masked row and max logits; the gradient (its backward is flex_mgpu's) for one case;
+   the interpretable flex_mgpu, compiled, beside it on two cases. Error bound: 4 x the
+   error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
+2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
+   left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
+   flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), torch FlexAttention (compiled; its
+   FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
+   rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
+   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's).
+Each case's failure is caught, printed and recorded; the next case runs. New work stops
+starting after --deadline seconds. JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the card
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jattn  # noqa: E402
+from jattn import mods  # noqa: E402
+from jattn._src.impl.interpret import pallas_interpret  # noqa: E402
+from jattn._src.kernels import flex_mgpu  # noqa: E402
+from benchmarks import gpu_kernels as bench  # noqa: E402
+from tests.reference import reference_mods  # noqa: E402
+
+FAST = "flex_mgpu_ws"
+SOFT_CAP = 30.0
+
+
+def say(*args):
+  print(*args, flush=True)
+
+
+# ---------------------------------------------------------------- 1. values
+
+
+def value_cases(N: int):
+  """name -> (T, S, K, dot_product_attention kwargs, allowed(t, s, b, n) or array, score)."""
+  def docs(T, count):
+    return np.repeat(np.arange(count), -(-T // count))[:T]
+  slopes = np.asarray(mods.alibi_slopes(N), np.float64)
+  ids = docs(512, 4)
+  prefix = np.asarray([100, 300])
+  t_, s_ = (lambda T, S: (np.arange(T)[:, None], np.arange(S)[None, :]))(512, 512)
+  causal = s_ <= t_
+  return {
+      "causal": (512, 512, N, dict(is_causal=True), causal, None),
+      "causal_mask_mod_gqa_8_2": (512, 512, 2, dict(mask_mod=mods.causal()), causal, None),
+      "documents_4": (512, 512, N, dict(mask_mod=mods.document(jnp.asarray(
+          np.stack([ids, ids])))), ids[:, None] == ids[None, :], None),
+      "sliding_window_100": (512, 512, N, dict(mask_mod=mods.sliding_window(100)),
+                             (s_ <= t_) & (s_ >= t_ - 100), None),
+      "soft_cap_causal": (512, 512, N, dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP)),
+                          causal, lambda x: SOFT_CAP * np.tanh(x / SOFT_CAP)),
+      "alibi_causal": (512, 512, N, dict(is_causal=True, score_mod=mods.alibi(
+          mods.alibi_slopes(N))), causal,
+          lambda x: x + slopes[None, :, None, None] * (s_ - t_)[None, None]),
+      "chunked_128": (512, 512, N, dict(mask_mod=mods.chunked(128)),
+                      t_ // 128 == s_ // 128, None),
+      "prefix_lm": (512, 512, N, dict(mask_mod=mods.prefix_lm(jnp.asarray(prefix))),
+                    (s_ <= t_)[None] | (s_[None] < prefix[:, None, None]), None),
+      "T_ne_S_causal_256x768": (256, 768, N, dict(is_causal=True),
+                                np.arange(768)[None, :] <= np.arange(256)[:, None], None),
+      "unaligned_T_300_documents": (300, 300, N, dict(mask_mod=mods.document(jnp.asarray(
+          np.stack([docs(300, 3)] * 2)))),
+          docs(300, 3)[:, None] == docs(300, 3)[None, :], None),
+      "fully_masked_rows": (512, 512, N, dict(mask_mod=lambda b, n, t, s: (t >= 70) & (s <= t)),
+                            (t_ >= 70) & causal, None),
+  }
+
+
+def _f64(x):
+  return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def check_values(args, out, deadline, impls):
+  B, N, H = 2, 8, (32 if args.smoke else 128)
+  cases = value_cases(N)
+  # the smoke run: cases without per-token arrays (their shapes are the card's)
+  names = (["causal", "sliding_window_100", "fully_masked_rows"] if args.smoke
+           else list(cases))
+  rng = np.random.default_rng(0)
+  for name in names:
+    T, S, K, kw, allowed, score = cases[name]
+    if args.smoke:  # tiny: the interpreter simulates every program
+      T, S = min(T, 128), min(S, 128)
+      allowed = np.asarray(allowed)[..., :T, :S]
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.bfloat16)
+    allowed = np.asarray(allowed)
+    if allowed.ndim == 3:  # [B, T, S]
+      allowed = allowed[:, None]
+    want, w = reference_mods(_f64(q), _f64(k), _f64(v), allowed=allowed, score=score)
+    logits = np.einsum("BTNH,BSNH->BNTS", _f64(q), np.repeat(_f64(k), N // K, 2)) / np.sqrt(H)
+    logits = score(logits) if score is not None else logits
+    masked = np.where(np.broadcast_to(allowed, logits.shape), logits, -np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      want_lse = np.log(np.sum(np.exp(masked), -1))  # [B, N, T]
+    seen = np.isfinite(want_lse)
+    tol = 4 * float(np.max(np.abs(_f64(jnp.asarray(want, jnp.bfloat16)) - want)))
+    for impl in impls if name in ("causal", "documents_4", "sliding_window_100") else impls[:1]:
+      if time.perf_counter() > deadline:
+        out["skipped"].append(dict(stage="values", case=name, impl=impl))
+        continue
+      start = time.perf_counter()
+      try:
+        with _context(args):
+          fn = jax.jit(lambda q, k, v: jattn.dot_product_attention(
+              q, k, v, implementation=impl, return_residual=True, **kw))
+          o, lse = jax.block_until_ready(fn(q, k, v))
+        err = float(np.max(np.abs(_f64(o) - want)))
+        lse = np.einsum("btn->bnt", _f64(lse))
+        lse_err = float(np.max(np.abs(lse[seen] - want_lse[seen]))) if seen.any() else 0.0
+        empty_ok = bool(np.all(_f64(o).transpose(0, 2, 1, 3)[~seen] == 0))
+        ok = err <= tol and lse_err <= max(4 * tol, 2e-2) and empty_ok
+        row = dict(case=name, impl=impl, T=T, S=S, N=N, K=K, err=err, tol=tol,
+                   lse_err=lse_err, empty_rows_zero=empty_ok, passed=ok,
+                   seconds=round(time.perf_counter() - start, 1))
+        say(f"[values] {name:28s} {impl:13s} {'ok  ' if ok else 'FAIL'} err {err:.3g} "
+            f"(bound {tol:.3g}) lse err {lse_err:.3g} empty rows zero {empty_ok} "
+            f"({row['seconds']} s)")
+      except Exception as e:  # noqa: BLE001 (recorded; the next case runs)
+        row = dict(case=name, impl=impl, passed=False, error=_error(e))
+        say(f"[values] {name:28s} {impl:13s} ERROR {row['error'][:600]}")
+      out["values"].append(row)
+
+
+def check_grad(args, out, deadline, impl):
+  """d sum(out * g) / d q, k, v of causal GQA against the float64 analytic gradient."""
+  if time.perf_counter() > deadline:
+    out["skipped"].append(dict(stage="grad", impl=impl))
+    return
+  B, T, N, K, H = 1, (128 if args.smoke else 512), 8, 2, (32 if args.smoke else 128)
+  rng = np.random.default_rng(1)
+  q, k, v, g = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in
+                ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
+  start = time.perf_counter()
+  try:
+    with _context(args):
+      loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
+          q, k, v, implementation=impl, is_causal=True).astype(jnp.float32) * g.astype(
+              jnp.float32))
+      got = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+    want = _grads(*(_f64(x) for x in (q, k, v, g)))
+    errs = [float(np.max(np.abs(_f64(a) - b)) / np.max(np.abs(b))) for a, b in zip(got, want)]
+    ok = max(errs) < 2e-2  # bfloat16 inputs and dq, dk, dv: relative to the largest entry
+    row = dict(case="causal_gqa_8_2_grad", impl=impl, rel_err=errs, passed=ok,
+               seconds=round(time.perf_counter() - start, 1))
+    say(f"[grad]   causal GQA 8/2 {impl}: {'ok' if ok else 'FAIL'} relative errors dq, dk, dv "
+        f"{', '.join(f'{e:.3g}' for e in errs)} (bound 2e-2)")
+  except Exception as e:  # noqa: BLE001
+    row = dict(case="causal_gqa_8_2_grad", impl=impl, passed=False, error=_error(e))
+    say(f"[grad]   {impl} ERROR {row['error'][:600]}")
+  out["values"].append(row)
+
+
+def _grads(q, k, v, g):
+  """float64 dq, dk, dv of sum(attention(q, k, v, causal) * g), [B, T, N|K, H]."""
+  N, K = q.shape[2], k.shape[2]
+  kk, vv = np.repeat(k, N // K, 2), np.repeat(v, N // K, 2)
+  scale = 1 / np.sqrt(q.shape[-1])
+  T, S = q.shape[1], k.shape[1]
+  s = np.einsum("btnh,bsnh->bnts", q, kk) * scale
+  s = np.where(np.arange(S)[None, :] <= np.arange(T)[:, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  o = np.einsum("bnts,bsnd->btnd", p, vv)
+  dp = np.einsum("btnd,bsnd->bnts", g, vv)
+  ds = p * (dp - np.einsum("btnd,btnd->bnt", g, o)[..., None])
+  dq = np.einsum("bnts,bsnh->btnh", ds, kk) * scale
+  dk = np.einsum("bnts,btnh->bsnh", ds, q) * scale
+  dv = np.einsum("bnts,btnd->bsnd", p, g)
+  fold = lambda x: x.reshape(*x.shape[:2], K, N // K, x.shape[-1]).sum(3)
+  return dq, fold(dk), fold(dv)
+
+
+# ---------------------------------------------------------------- 2. speed
+
+
+def speed_jobs(lengths):
+  """(T, case, backward) in the order they run: the forward cases at the first length,
+  causal forward + backward there, then the forward cases at the other lengths."""
+  jobs = []
+  for x, T in enumerate(lengths):
+    jobs += [(T, case, False) for case in ("causal", "documents", "soft_cap")]
+    if x == 0:
+      jobs.append((T, "causal", True))
+  return jobs
+
+
+def measure_speed(args, out, deadline, impls):
+  torch_device, note = bench._torch_device(argparse.Namespace(torch=True, smoke=args.smoke))
+  out["torch"] = note
+  say(f"[speed] torch: {note}")
+  N, H = (2, 32) if args.smoke else (16, 128)
+  inputs = {}
+  for T, case, backward in speed_jobs(args.lengths):
+    pass_ = "fwd+bwd" if backward else "fwd"
+    if time.perf_counter() > deadline:
+      out["skipped"].append(dict(stage="speed", T=T, case=case, pass_=pass_))
+      say(f"[speed] T={T} {case} {pass_}: skipped (deadline)")
+      continue
+    B = 1 if args.smoke else max(1, 8192 // T)
+    if T not in inputs:
+      inputs = {T: bench._inputs(B, T, N, H, "bfloat16", torch_device)}  # one length held
+    jx, th = inputs[T]
+    contenders = _jax_contenders(case, B, T, N, impls, args.smoke)
+    if backward:  # the kv tile variant and the mask_mod spelling: forward only
+      contenders = {n: f for n, f in contenders.items() if ":" not in n}
+    timers = {}
+    for name, fn in contenders.items():
+      if time.perf_counter() > deadline:
+        break
+      timers[name] = _timer(out, T, case, name, lambda: _make(args, fn, jx, backward))
+    if th is not None and time.perf_counter() < deadline:
+      for name, fn in _torch_contenders(case, B, T, N, torch_device, out, backward).items():
+        if time.perf_counter() > deadline:
+          break
+        timers[name] = _timer(out, T, case, name, lambda: bench.torch_timer(fn, th, backward))
+    timers = {n: t for n, t in timers.items() if t is not None}
+    if args.smoke:
+      timers = {n: (lambda t: lambda: _in_context(args, t))(t) for n, t in timers.items()}
+    times = bench.interleaved(timers, args.rounds)
+    flops = 4 * B * N * H * T * T * bench.visible_fraction(case, T) * (2.5 if backward else 1)
+    rows = {}
+    for name, ts in times.items():
+      med = statistics.median(ts)
+      rows[name] = dict(T=T, B=B, case=case, pass_=pass_, contender=name, ms=1e3 * med,
+                        tflops=flops / med / 1e12, spread=(max(ts) - min(ts)) / med)
+      out["speed"].append(rows[name])
+    fast = rows.get(FAST)
+    for name, row in sorted(rows.items(), key=lambda x: x[1]["ms"]):
+      ratio = f"  {FAST} / this {fast['ms'] / row['ms']:.2f}" if fast else ""
+      say(f"[speed] T={T:<6d} B={B} {case:9s} {pass_:7s} {name:22s} {row['ms']:8.3f} ms "
+          f"{row['tflops']:6.1f} TFLOP/s{ratio}")
+
+
+def _jax_contenders(case, B, T, N, impls, smoke):
+  ids = jnp.asarray(np.repeat(np.arange(bench.DOCUMENTS), -(-T // bench.DOCUMENTS))[:T][
+      None].repeat(B, 0))
+  kw = {"causal": dict(is_causal=True), "documents": dict(mask_mod=mods.document(ids)),
+        "soft_cap": dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP))}[case]
+  attend = lambda impl, extra=None: (lambda q, k, v: jattn.dot_product_attention(
+      q, k, v, implementation=impl, **(extra or kw)))
+  out = {impl: attend(impl) for impl in impls}
+  if case == "causal":
+    out[f"{impls[0]}:mask_mod"] = attend(impls[0], dict(mask_mod=mods.causal()))
+  if FAST in impls:  # its other kv tile (64 keys; 128 is the default at H = 128)
+    def kv64(q, k, v):
+      with flex_mgpu.ws_kv_tile(64):
+        return attend(FAST)(q, k, v)
+    out[f"{FAST}:kv64"] = kv64
+  if not smoke:
+    out["flex_gpu"] = attend("flex_gpu")
+    if case == "causal":
+      out["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, implementation="cudnn", is_causal=True)
+  return out
+
+
+def _torch_contenders(case, B, T, N, device, out, backward=False):
+  """FlexAttention (Triton; FLASH where this torch has it) and SDPA, from the benchmark."""
+  try:
+    got = bench.torch_contenders(case, B, T, N, device)
+  except Exception as e:  # noqa: BLE001
+    out["errors"].append(dict(T=T, case=case, contender="torch", error=_error(e)))
+    say(f"[speed] T={T} {case}: torch contenders failed: {_error(e)[:300]}")
+    return {}
+  if device == "cpu" and backward:  # FlexAttention has no CPU backward
+    got.pop("torch_flex", None)
+  if device == "cuda" and "torch_flex" in got and not backward:
+    flex = got["torch_flex"]
+    got["torch_flex:FLASH"] = lambda q, k, v: _flash(flex, q, k, v)
+  return got
+
+
+def _flash(flex, q, k, v):
+  """torch FlexAttention with kernel_options={"BACKEND": "FLASH"} (torch >= 2.10 with
+  flash-attn 4's CuTe kernels): the benchmark's closure, its options swapped."""
+  cells = {c: x.cell_contents for c, x in zip(flex.__code__.co_freevars, flex.__closure__)}
+  return cells["flex"](q, k, v, score_mod=cells["score"], block_mask=cells["block_mask"],
+                       kernel_options={"BACKEND": "FLASH"})
+
+
+def _make(args, fn, inputs, backward=False):
+  with _context(args):
+    return bench.jax_timer(fn, inputs, backward)
+
+
+def _in_context(args, timer):
+  with _context(args):
+    return timer()
+
+
+def _timer(out, T, case, name, make):
+  start = time.perf_counter()
+  try:
+    timer = make()
+    say(f"[speed] T={T} {case} {name}: compiled and warmed in {time.perf_counter() - start:.1f} s")
+    return timer
+  except Exception as e:  # noqa: BLE001
+    out["errors"].append(dict(T=T, case=case, contender=name, error=_error(e)))
+    say(f"[speed] T={T} {case} {name}: FAILED {_error(e)[:400]}")
+    return None
+
+
+# ---------------------------------------------------------------- main
+
+
+def _context(args):
+  return pallas_interpret() if args.smoke else contextlib.nullcontext()
+
+
+def _error(e: BaseException) -> str:
+  tail = "".join(traceback.format_exception_only(type(e), e)).strip()
+  return tail[-3000:]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", default=os.environ.get("OUT", "mgpu_fast_check_out"))
+  parser.add_argument("--deadline", type=float, default=170.0,
+                      help="seconds after which no new case starts")
+  parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--smoke", action="store_true",
+                      help="a CPU rehearsal: tiny shapes, the interpretable flex_mgpu standing "
+                           "in for flex_mgpu_ws (which runs compiled only)")
+  args = parser.parse_args(argv)
+  start = time.perf_counter()
+  deadline = start + args.deadline
+  platform = jax.devices()[0].platform
+  if args.smoke:
+    args.lengths, args.rounds = [128], 1
+    impls = ["flex_mgpu"]
+  elif platform != "gpu":
+    raise SystemExit(f"needs an NVIDIA Hopper GPU (found {platform}); --smoke rehearses")
+  else:
+    impls = [FAST, "flex_mgpu"]
+  outdir = pathlib.Path(args.out)
+  outdir.mkdir(parents=True, exist_ok=True)
+  out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, smoke=args.smoke,
+             started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), argv=sys.argv, values=[],
+             speed=[], errors=[], skipped=[])
+  try:
+    import torch
+    out["torch_version"] = torch.__version__
+  except ImportError:
+    out["torch_version"] = None
+  say(f"[mgpu_fast_check] jax {jax.__version__} on {out['device']}, torch "
+      f"{out['torch_version']}; deadline {args.deadline:.0f} s")
+  try:
+    check_values(args, out, deadline, impls)
+    check_grad(args, out, deadline, impls[0])
+    measure_speed(args, out, deadline, impls)
+  finally:
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    bad = [r for r in out["values"] if not r.get("passed")]
+    out["summary"] = dict(values_passed=len(out["values"]) - len(bad), values_failed=len(bad),
+                          speed_rows=len(out["speed"]), errors=len(out["errors"]),
+                          skipped=len(out["skipped"]))
+    (outdir / "mgpu_fast_check.json").write_text(json.dumps(out, indent=1, default=str))
+    say(f"[mgpu_fast_check] done in {out['seconds']} s: {out['summary']}")
+  return out
+
+
+if __name__ == "__main__":
+  main()
