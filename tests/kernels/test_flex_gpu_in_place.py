@@ -114,3 +114,37 @@ def test_the_kernels_take_the_callers_arrays_when_the_tiles_are_whole(aligned):
     assert shapes == [(B, Tq, N, H)] * 3, shapes
   else:  # padded copies: [B, N, Tp, H], and [B, K, G, Tp, H] for the dk/dv kernel
     assert shapes == [(B, N, T, H)] * 2 + [(B, K, N // K, T, H)], shapes
+
+
+def test_gradients_leave_the_kernels_in_the_inputs_dtype():
+  """bfloat16: dq, dk and dv are written by the kernels in bfloat16 (no float32 copy
+  converted after them), and agree with float64."""
+  q, k, v, d_out = _inputs(seed=2)
+  want_out, *want_grads = reference_vjp(q, k, v, d_out, **MASKS)[:4]
+  q16, k16, v16, d16 = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, d_out))
+
+  def loss(q, k, v):
+    out = jattn.dot_product_attention(q, k, v, implementation="flex_gpu", **MASKS)
+    return jnp.sum(out.astype(jnp.float32) * d16.astype(jnp.float32))
+
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  with pallas_interpret():
+    dtypes = []
+
+    def walk(jaxpr):
+      for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+          dtypes.append([str(x.aval.dtype) for x in eqn.outvars[:2]])
+        for sub in _sub_jaxprs(eqn.params):
+          walk(sub)
+
+    walk(jax.make_jaxpr(grad)(q16, k16, v16).jaxpr)
+    grads = grad(q16, k16, v16)
+  # forward (out, lse), dq (dq, its read gradients), dk/dv (dk, dv)
+  assert dtypes == [["bfloat16", "float32"], ["bfloat16", "float32"],
+                    ["bfloat16", "bfloat16"]], dtypes
+  for name, got, want in zip(("dq", "dk", "dv"), grads, want_grads):
+    assert got.dtype == jnp.bfloat16
+    scale = np.max(np.abs(want))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-2 * scale,
+                               err_msg=name)
