@@ -200,11 +200,15 @@ KERNELS = {"flex_tpu": {"fwd": "jattn_flex_tpu_fwd", "dq": "jattn_flex_tpu_dq",
                       "dkv": "splash_mha_dkv"}}
 
 
+_COMPILE_VERSION = 1  # bump when what compile_case compiles or parses changes
+
+
 def _fingerprint(*parts) -> str:
+  """The cache key of a compile: its arguments and the kernels' sources."""
   src = [ROOT / "jattn/_src/kernels/flex_tpu_kernels.py", ROOT / "jattn/_src/kernels/flex_tpu.py",
          ROOT / "jattn/_src/kernels/tile_mods.py", ROOT / "jattn/_src/kernels/tile_classes.py",
-         ROOT / "jattn/_src/impl/fused.py", pathlib.Path(__file__)]
-  h = hashlib.sha256(repr(parts).encode())
+         ROOT / "jattn/_src/impl/fused.py"]
+  h = hashlib.sha256(repr((_COMPILE_VERSION,) + parts).encode())
   for f in src:
     h.update(f.read_bytes())
   return h.hexdigest()[:16]
@@ -428,9 +432,17 @@ def main(argv=None):
           g_compile = G if case == "causal" else 1
           ck = (gen, impl, case, H, g_compile)
           if ck not in compiled:
-            compiled[ck] = compile_case(gen, impl, case, H, g_compile, dump, args.cache)
-            print(f"compiled {ck}: {compiled[ck].get('compile_s', 'cached')} s", flush=True)
+            try:
+              compiled[ck] = compile_case(gen, impl, case, H, g_compile, dump, args.cache)
+            except Exception as e:  # noqa: BLE001 - a refusal is a result: recorded, shown
+              compiled[ck] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            print(f"compiled {ck}: {compiled[ck].get('compile_s', compiled[ck].get('error', 'cached'))}",
+                  flush=True)
           got = compiled[ck]
+          if "error" in got:
+            rows.append(dict(gen=gen, H=H, D=H, T=T, S=T, B=1, N=N, K=K, impl=impl, case=case,
+                             error=got["error"]))
+            continue
           counts = (flex_counts if impl == "flex_tpu" else splash_counts)(case, T, N, K, H)
           est = {role: estimate(gen, impl, role, got[role], counts, H, H, T, N, K)
                  for role in ("fwd", "dq", "dkv")}
@@ -482,7 +494,8 @@ def _libtpu_version():
 def _ratios(rows):
   """flex_tpu / splash on the same mask, and each mod / flex_tpu's plain causal; the FULL
   tile's bundles over its MXU-only cycles."""
-  by = {(r["gen"], r["H"], r["T"], r["K"], r["impl"], r["case"]): r for r in rows}
+  by = {(r["gen"], r["H"], r["T"], r["K"], r["impl"], r["case"]): r for r in rows
+        if "error" not in r}
   out = []
   for (gen, H, T, K, impl, case), r in by.items():
     if impl != "flex_tpu":
@@ -505,6 +518,10 @@ def _print(rows, summary):
   print(f"{'gen':4} {'H':>3} {'T':>5} {'K':>2} {'impl':8} {'case':9} {'fwd ms':>8} "
         f"{'f+b ms':>8} {'mxu fwd':>8} {'FULL':>5} {'PART':>5} {'EMPTY':>5}")
   for r in rows:
+    if "error" in r:
+      print(f"{r['gen']:4} {r['H']:3d} {r['T']:5d} {r['K']:2d} {r['impl']:8} {r['case']:9} "
+            f"did not compile: {r['error'][:150]}")
+      continue
     b = r["bundles"]["fwd"]
     print(f"{r['gen']:4} {r['H']:3d} {r['T']:5d} {r['K']:2d} {r['impl']:8} {r['case']:9} "
           f"{r['fwd_s'] * 1e3:8.3f} {r['fwd_bwd_s'] * 1e3:8.3f} "
