@@ -194,10 +194,12 @@ def call_kwargs(case: str, T: int, N: int):
 
 FLEX_CASES = ("causal", "window", "documents", "softcap", "alibi", "relbias")
 SPLASH_CASES = ("causal", "window", "documents")
+# the kernels' names in the dump (regular expressions): splash names its kernels by
+# heads (mha, or mqa for grouped heads), segment ids and residuals
 KERNELS = {"flex_tpu": {"fwd": "jattn_flex_tpu_fwd", "dq": "jattn_flex_tpu_dq",
                         "dkv": "jattn_flex_tpu_dkv"},
-           "splash": {"fwd": "splash_mha_fwd_residuals", "dq": "splash_mha_dq",
-                      "dkv": "splash_mha_dkv"}}
+           "splash": {"fwd": "splash_m[hq]a_fwd(_segmented)?_residuals",
+                      "dq": "splash_m[hq]a_dq", "dkv": "splash_m[hq]a_dkv"}}
 
 
 _COMPILE_VERSION = 1  # bump when what compile_case compiles or parses changes
@@ -249,7 +251,7 @@ def compile_case(gen, impl, case, H, K_ratio, dump_dir, cache_dir):
            and "schedule-analysis" not in f.name]
   kind = "flex" if impl == "flex_tpu" else "splash"
   for role, name in KERNELS[impl].items():
-    mine = [f for f in files if re.search(rf"-{name}[\w]*\.\d+-", f.name)]
+    mine = [f for f in files if re.search(rf"-{name}(_\w+)?\.\d+-", f.name)]
     if len(mine) != 1:
       raise RuntimeError(f"{gen} {impl} {case}: expected one {name} kernel, got "
                          f"{[f.name for f in mine]} among {[f.name for f in files]}")
