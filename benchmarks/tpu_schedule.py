@@ -411,7 +411,12 @@ def main(argv=None):
   ap.add_argument("--label", default="current")
   ap.add_argument("--smoke", action="store_true",
                   help="v5e, H = 128, causal only (flex_tpu and splash): the compile tier's check")
+  ap.add_argument("--tables", action="store_true",
+                  help="print the JSON's run --label as markdown tables, compile nothing")
   args = ap.parse_args(argv)
+  if args.tables:
+    print(markdown(args.out, args.label))
+    return None
   dump = tempfile.mkdtemp(prefix="jattn_tpu_dump_")
   os.environ["LIBTPU_INIT_ARGS"] = (
       f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true "
@@ -483,6 +488,52 @@ def main(argv=None):
   out.write_text(json.dumps(dict(runs=runs, latest=args.label), indent=1) + "\n")
   print(f"wrote {out} (run {args.label!r}, {result['runtime_s']} s)")
   return result
+
+
+def markdown(path, label):
+  """The JSON's run `label` as the markdown tables of docs/tpu_kernel.md."""
+  run = json.loads(pathlib.Path(path).read_text())["runs"][label]
+  lines = [f"Run `{label}`: {run['date']}, jax {run['jax']}, libtpu {run['libtpu']}, "
+           f"`{run['command']}`.", ""]
+  ok = [r for r in run["rows"] if "error" not in r]
+  by = {(r["gen"], r["H"], r["T"], r["K"], r["impl"], r["case"]): r for r in ok}
+  lines += ["| gen | H | T | K | mask | flex_tpu fwd ms | splash fwd ms | ratio | "
+            "flex_tpu f+b ms | splash f+b ms | ratio |", "|" + " --- |" * 11]
+  for (gen, H, T, K, impl, case), r in by.items():
+    s = by.get((gen, H, T, K, "splash", case))
+    if impl != "flex_tpu" or s is None:
+      continue
+    lines.append(f"| {gen} | {H} | {T} | {K} | {case} | {r['fwd_s'] * 1e3:.3f} | "
+                 f"{s['fwd_s'] * 1e3:.3f} | {r['fwd_s'] / s['fwd_s']:.2f} | "
+                 f"{r['fwd_bwd_s'] * 1e3:.3f} | {s['fwd_bwd_s'] * 1e3:.3f} | "
+                 f"{r['fwd_bwd_s'] / s['fwd_bwd_s']:.2f} |")
+  lines += ["", "| gen | H | T | K | score_mod | fwd ms | / causal | f+b ms | / causal |",
+            "|" + " --- |" * 9]
+  for (gen, H, T, K, impl, case), r in by.items():
+    c = by.get((gen, H, T, K, "flex_tpu", "causal"))
+    if impl != "flex_tpu" or case not in ("softcap", "alibi", "relbias") or c is None:
+      continue
+    lines.append(f"| {gen} | {H} | {T} | {K} | {case} | {r['fwd_s'] * 1e3:.3f} | "
+                 f"{r['fwd_s'] / c['fwd_s']:.2f} | {r['fwd_bwd_s'] * 1e3:.3f} | "
+                 f"{r['fwd_bwd_s'] / c['fwd_bwd_s']:.2f} |")
+  lines += ["", "Bundles per grid step (T = 4096, K = 16 rows; per-step counts do not depend "
+            "on T), and the MXU-only cycles of the tile:", "",
+            "| gen | H | impl | mask | tile | fwd FULL / PARTIAL / EMPTY | MXU | "
+            "dq FULL / PARTIAL | MXU | dk/dv FULL / PARTIAL | MXU |", "|" + " --- |" * 11]
+  for (gen, H, T, K, impl, case), r in by.items():
+    if T != 4096 or K != 16:
+      continue
+    b, m, c = r["bundles"], r["mxu_per_tile"], r["counts"]
+    lines.append(
+        f"| {gen} | {H} | {impl} | {case} | {c['block_q']} x {c['block_kv']} | "
+        f"{b['fwd']['full']} / {b['fwd']['partial']} / {b['fwd']['empty']} | {m['fwd']:.0f} | "
+        f"{b['dq']['full']} / {b['dq']['partial']} | {m['dq']:.0f} | "
+        f"{b['dkv']['full']} / {b['dkv']['partial']} | {m['dkv']:.0f} |")
+  bad = [r for r in run["rows"] if "error" in r]
+  for r in {(r["gen"], r["H"], r["impl"], r["case"]): r for r in bad}.values():
+    lines.append(f"\nNot compiled: {r['gen']} H = {r['H']} {r['impl']} {r['case']}: "
+                 f"{r['error'][:200]}")
+  return "\n".join(lines)
 
 
 def _libtpu_version():
