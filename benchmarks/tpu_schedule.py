@@ -56,12 +56,17 @@ sys.path.insert(0, str(ROOT))
 
 # Per generation, per TensorCore: public peak bf16 FLOP/s and HBM bandwidth (Google Cloud
 # TPU system-architecture pages: v5e 197 TFLOP/s, 819 GB/s; v6e 918 TFLOP/s, 1640 GB/s;
-# v5p 459 TFLOP/s and 2765 GB/s per chip of two TensorCores). MXUs and their width: v5e
-# and v5p four 128 x 128, v6e two 256 x 256 (checked against the MXU unit names the
-# schedule uses). The clock is derived: peak / (MXUs x width^2 x 2 FLOP).
+# v5p 459 TFLOP/s and 2765 GB/s per chip of two TensorCores). `mxus` x `width`: the MXU
+# rows retired per cycle, in units of one LHS row on a width x width array. v5e and v5p:
+# four 128 x 128 MXUs (the schedule names mxu0..mxu3). v6e: the schedule names two
+# 256 x 256 units, yet schedules splash's dk/dv tile (4096 row passes of 256-wide
+# matmuls) in 1349 bundles, so a unit retires at least 1.5 rows a cycle: taken as two,
+# i.e. four 256-wide row passes a cycle (an assumption: no published figure says).
+# The clock is derived: peak / (mxus x width^2 x 2 FLOP): v5e 1.50 GHz, v6e 1.75 GHz,
+# v5p 1.75 GHz.
 GENERATIONS = {
     "v5e": dict(topology="v5e=1x1", peak_flops=197e12, hbm_bytes_s=819e9, mxus=4, width=128),
-    "v6e": dict(topology="v6e=1x1", peak_flops=918e12, hbm_bytes_s=1640e9, mxus=2, width=256),
+    "v6e": dict(topology="v6e=1x1", peak_flops=918e12, hbm_bytes_s=1640e9, mxus=4, width=256),
     "v5p": dict(topology="v5p=1x1x1", peak_flops=459e12 / 2, hbm_bytes_s=2765e9 / 2, mxus=4,
                 width=128),
 }

@@ -56,8 +56,8 @@ def test_mxu_bound_of_a_tile():
   # v5e: four 128 x 128 MXUs; a 128 x 512 forward tile at H = D = 128: q k^T and p v
   # each 128 rows x 4 column blocks (or 4 contraction blocks), 1024 row passes / 4
   assert tpu_schedule.tile_mxu("v5e", "fwd", 128, 512, 128, 128) == 256
-  # v6e: two 256 x 256 MXUs: H = 128 fills half the contraction
-  assert tpu_schedule.tile_mxu("v6e", "fwd", 512, 512, 128, 128) == (512 * 2 + 512 * 2) / 2
+  # v6e: four 256-wide row passes a cycle; H = 128 fills half the contraction of q k^T
+  assert tpu_schedule.tile_mxu("v6e", "fwd", 512, 512, 128, 128) == (512 * 2 + 512 * 2) / 4
 
 
 @pytest.mark.compile
