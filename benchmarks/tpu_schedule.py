@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -368,6 +369,12 @@ def splash_counts(case, T, N, K, H):
   return out
 
 
+@functools.lru_cache(maxsize=None)
+def _counts(impl, case, T, N, K):
+  """The grid-step counts (the tiles and block tables do not depend on H)."""
+  return (flex_counts if impl == "flex_tpu" else splash_counts)(case, T, N, K, 128)
+
+
 # ---------------------------------------------------------------- the estimate
 
 
@@ -490,7 +497,7 @@ def main(argv=None):
             rows.append(dict(gen=gen, H=H, D=H, T=T, S=T, B=1, N=N, K=K, impl=impl, case=case,
                              error=got["error"]))
             continue
-          counts = (flex_counts if impl == "flex_tpu" else splash_counts)(case, T, N, K, H)
+          counts = _counts(impl, case, T, N, K)
           est = {role: estimate(gen, impl, role, got[role], counts, H, H, T, N, K)
                  for role in ("fwd", "dq", "dkv")}
           fwd = est["fwd"]["seconds"]
