@@ -175,7 +175,7 @@ def why_first(call, platform: str, name: str) -> str | None:
   if platform == "tpu" and name == "flex_tpu" and _documents(call):
     return ("flex_tpu before splash for mods.document masks: splash applies segment ids "
             "on every tile and skips none, flex_tpu skips the tiles between documents; "
-            "estimated from the TPU compiler's schedule at 0.3x to 0.6x of splash's time "
+            "estimated from the TPU compiler's schedule at 0.16x to 0.44x of splash's time "
             "(v5e, v6e; 16 documents, T = 4k and 16k; benchmarks/tpu_schedule.py), not "
             "measured on a TPU")
   return None
