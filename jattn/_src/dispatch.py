@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from jattn._src.impl.registry import IMPLEMENTATIONS, PLATFORMS, preference
+from jattn._src.impl.registry import IMPLEMENTATIONS, PLATFORMS, preference, why_first
 
 # platform_dependent's `default=` branch: every platform not named (ROCm and others).
 _DEFAULT = "rocm"
@@ -33,6 +33,7 @@ class Choice:
 
   passed_over: (name, reason) of every implementation tried before it and refused.
   error: an explicit implementation that cannot run there (raised if lowered there).
+  why: where the preference put it before the platform's usual first choice, why.
   """
 
   platform: str
@@ -40,6 +41,7 @@ class Choice:
   plan: object = None
   passed_over: tuple[tuple[str, str], ...] = ()
   error: str | None = None
+  why: str | None = None
 
   @property
   def key(self):
@@ -61,7 +63,8 @@ def choose(call, implementation: str | None, platform: str, *, registry=None,
   for name in order(call, platform):
     plan = registry[name].plan_for(call, platform)
     if not isinstance(plan, str):
-      return Choice(platform, name, plan, tuple(passed_over))
+      why = why_first(call, platform, name) if order is preference else None
+      return Choice(platform, name, plan, tuple(passed_over), why=why)
     passed_over.append((name, plan))
   # "xla" takes every call, so this cannot happen
   raise AssertionError(f"no implementation takes this call on {platform}: {passed_over}")
@@ -124,6 +127,8 @@ class Explanation:
         lines.append(f"{platform}: cannot run: {choice.error}")
       else:
         lines.append(f"{platform}: {choice.implementation}  {choice.plan}")
+        if choice.why:
+          lines.append(f"    why: {choice.why}")
         for name, reason in choice.passed_over:
           lines.append(f"    not {name}: {reason}")
     return "\n".join(lines)

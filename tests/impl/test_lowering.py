@@ -20,10 +20,11 @@ from jattn import mods
 from tests.helpers import raises
 from tests.reference import reference_mods
 
-B, T, N, K, H = 2, 384, 4, 2, 128  # T: three 128-tiles; no other axis is 384 long
+B, T, N, K, H = 2, 640, 4, 2, 128  # T: five 128-tiles, two of flex_tpu's 512 (its tile
+# is no [T, S] tensor); no other axis is 640 long
 TRITON = "__gpu$xla.gpu.triton"
 KERNEL = {"tpu": "tpu_custom_call", "cuda": TRITON}
-IDS = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [100, 200, 84], axis=1).astype(np.int32)
+IDS = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [100, 200, 340], axis=1).astype(np.int32)
 
 # name -> (kwargs, kv heads, {platform: the fused kernel expected, or None})
 # issue 23's cases (jax's kernels), then issue 24's (jattn's own TPU kernel)
@@ -177,13 +178,22 @@ def test_explain_reports_plans_and_reasons_for_every_platform():
   report = jattn.explain(q, q, q, mask_mod=mods.and_masks(mods.causal(), mods.document(ids)))
   assert report.implementation("cpu") == "blockwise"
   assert report.choices["cpu"].plan.block_sizes == jattn.BlockSizes(q=512, kv=256)
-  assert report.implementation("tpu") == "splash"
-  splash = report.choices["tpu"].plan
+  # documents on TPU: flex_tpu first (it skips the tiles between documents), and says why
+  assert report.implementation("tpu") == "flex_tpu"
+  assert "splash applies segment ids on every tile" in report.choices["tpu"].why
+  assert report.choices["cpu"].why is None
+  splash = jattn.explain(q, q, q, implementation="splash",
+                         mask_mod=mods.and_masks(mods.causal(), mods.document(ids)))
+  splash = splash.choices["tpu"].plan  # splash stays selectable
   assert splash.mask == ("and", ("and", ("causal",), ("full",))) and splash.document
   assert report.implementation("cuda") == "flex_gpu"
   assert report.reasons("cuda")["cudnn"].startswith("it cannot honour mask_mod")
   text = str(report)
-  assert "tpu: splash" in text and "not cudnn: it cannot honour mask_mod" in text
+  assert "tpu: flex_tpu" in text and "not cudnn: it cannot honour mask_mod" in text
+  assert "why: flex_tpu before splash for mods.document" in text
+  # causal alone: splash first, as before, with no why
+  causal = jattn.explain(q, q, q, is_causal=True)
+  assert causal.implementation("tpu") == "splash" and causal.choices["tpu"].why is None
   # an explicit implementation that cannot run somewhere is reported, not raised
   report = jattn.explain(q, q, q, implementation="splash", bias=jnp.zeros(()))
   assert report.implementation("tpu") is None

@@ -464,6 +464,23 @@ def test_relative_bias_table_gathered_in_the_kernel(gradients):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
 
 
+def test_relative_bias_wider_than_a_vreg_against_float64():
+  """A table of 141 entries (two 128-lane vregs) on kv tiles of 256: the kernel gathers
+  per 128-lane chunk of the table and of the tile (Mosaic gathers from one source vreg)
+  and merges the chunks; the entries past lane 128 and the clip at both ends are read."""
+  M, Tr, Sr = 70, 40, 300
+  r = np.random.default_rng(9)
+  q, k, v = _inputs(T=Tr, S=Sr, N=2, K=1, seed=9)
+  table = jnp.asarray(r.normal(size=(2, 2 * M + 1)), jnp.float32)
+  t, s = np.arange(Tr)[:, None], np.arange(Sr)[None]
+  bias = np.asarray(table, np.float64)[:, np.clip(s - t, -M, M) + M][None]
+  out, _, lse = _run(q, k, v, score_mod=jattn.mods.relative_bias(table), block_q=40,
+                     block_kv=256)
+  allowed = np.ones((B, 2, Tr, Sr), bool)
+  np.testing.assert_allclose(out, reference_attention(q, k, v, bias, allowed), atol=2e-6)
+  np.testing.assert_allclose(lse, _lse(q, k, allowed, bias=bias), atol=2e-5)
+
+
 def test_relative_bias_export_fwd_and_grad():
   q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)

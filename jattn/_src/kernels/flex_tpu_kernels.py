@@ -79,13 +79,25 @@ def _table_specs(p: Plan, arrays):
   return [pl.BlockSpec(x.shape, lambda *g: (0, 0, 0)) for x in arrays]
 
 
-def _table_reader(p: Plan, table_refs):
+def _table_reader(p: Plan, table_refs, meta):
+  """read_table for tile_mods.evaluate: x[row, index] gathered along the lanes, one
+  128-lane vreg of the table and of the indices at a time (Mosaic gathers from a single
+  source vreg: "Multiple source vregs along gather dimension" otherwise, found by the
+  TPU compiler at block_kv = 512), the table's chunks merged by where the index falls."""
   refs = dict(zip(p.score_tables, table_refs))
+  bq, bk = p.block_q, p.block_kv
 
   def read_table(ci, row, index):
-    x = refs[ci][row]  # [8, bk]
-    x = jnp.broadcast_to(x[0:1, :], (p.block_q, p.block_kv))
-    return jnp.take_along_axis(x, index, axis=1)
+    x = refs[ci][row]  # [8, bk]: the table along the lanes, zero-padded
+    chunks = -(-meta[ci][0][-1] // _LANES)
+    out = None
+    for c in range(chunks):
+      src = jnp.broadcast_to(x[0:1, c * _LANES:(c + 1) * _LANES], (bq, _LANES))
+      at = jnp.clip(index - c * _LANES, 0, _LANES - 1)
+      got = jnp.concatenate([jnp.take_along_axis(src, at[:, o:o + _LANES], axis=1)
+                             for o in range(0, bk, _LANES)], axis=1)  # [bq, bk]
+      out = got if out is None else jnp.where(index >= c * _LANES, got, out)
+    return out
   return read_table
 
 
@@ -195,7 +207,7 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
           flats.append(flat)
         return value
 
-      read_table = _table_reader(p, row_refs[len(p.mask_rows):])
+      read_table = _table_reader(p, row_refs[len(p.mask_rows):], tm.score_meta)
       if read_grads:  # a zero tile per table read: d loss / d it = the read's gradient
         read_table = table_grads.perturbed(read_table, tm.score_meta, eps[R:], at)
       y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
