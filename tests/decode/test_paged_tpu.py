@@ -5,9 +5,11 @@ The cache of tests/decode/test_decode_attention.py (final lengths 13, 4, 9 with
 pages of 4, interleaved in the pool by a prefill then the rest) is queried once
 per case: a chunk of the last 3 tokens of each row (query_lengths 3, 2, 3 so a
 padded query slot is in it), every output compared with the full pass at those
-positions. Interpreted Pallas is slow: CI takes a few cases that cover every
-kind of mod (closed-form mask, a mask that reads b and n, a score that reads n,
-sinks, a window); every case is in the `thorough` tier.
+positions. Interpreted Pallas is slow (about 10 s a call on the 2-core CI
+machine): CI takes six calls that cover every kind of mod (a closed-form mask
+with EMPTY pages, a mask that reads b and n, a score that reads n, sinks, a
+window), a chunk, splits, grouped heads, NaN pages and reuse; every case is in
+the `thorough` tier.
 """
 
 import dataclasses
@@ -61,7 +63,7 @@ def _kernel(q, cache, **kwargs):
                                   implementation="paged_tpu", **kwargs)
 
 
-_CI = ("none", "prefix_lm", "user_mask", "user_score", "sinks_window_alibi")
+_CI = ("user_mask", "sinks_window_alibi")
 # the kernel refuses these (per-token arrays, tables): tested in test_refusals
 _REFUSED = ("document", "relative_bias")
 
@@ -89,6 +91,7 @@ def test_grouped_and_plain_heads(k_heads):
   _check_rows(got, full_pass(q, k, v, "alibi"))
 
 
+@pytest.mark.thorough
 def test_splits_merge_by_log_sum_exp():
   """Three splits per row (some empty for the short row), merged outside the kernel."""
   from jattn._src.decode import paged_tpu
@@ -107,15 +110,14 @@ def test_splits_merge_by_log_sum_exp():
   _check_rows(got, full_pass(q, k, v, "sinks"))
 
 
-@pytest.mark.parametrize("case, pages", [NEEDED[0], NEEDED[2]] + [
-    pytest.param(c, p, marks=pytest.mark.thorough) for c, p in NEEDED[1:2] + NEEDED[3:]])
+@pytest.mark.parametrize("case, pages", [NEEDED[2]] + [
+    pytest.param(c, p, marks=pytest.mark.thorough) for c, p in NEEDED[:2] + NEEDED[3:]
+    if c != "document"])  # refused: test_refusals_say_why
 def test_pages_a_row_must_not_read_hold_nan(case, pages):
   """NaN in every page the last token of each row must not read (free pages, pages
   outside its window, EMPTY pages) and in slots past each row's length."""
   q, k, v = _data(4)
   kwargs, causal = _late_case(case)
-  if case == "document":
-    pytest.skip("the kernel refuses per-token arrays (test_refusals)")
   want_mask = {"user_mask_late": (_s >= 8) | (_s == _t), "bidirectional": True}.get(
       case, CASES.get(case, (None,) * 3)[2])
   want_mask = True if want_mask is None else want_mask
@@ -195,30 +197,33 @@ def _tpu_devices(generation):
 @pytest.mark.compile
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])
 def test_compiles_for_tpu_with_the_kernel_and_no_dense_buffer(generation):
-  """Compiled for a TPU from this host: the program calls the kernel, and its scratch
-  holds nothing of [B, N, T, max_length] (the dense logits) or a gathered cache; the
-  "xla" path's does (the check can fail)."""
+  """Compiled for a TPU from this host (the benchmark's batch: B = 8 rows of up to 32k,
+  N = 16, K = 4, H = 128, pages of 64, bfloat16): the program calls the kernel, and its
+  temporaries hold nothing near [B, N, T, max_length] (dense logits) nor a copy of the
+  pool. Planted: the pool viewed as [P, S, K H] for the kernel made XLA copy it (a
+  relayout, 39 MB of temporaries), and this test failed. A query chunk (T = 2) with
+  mods compiles too."""
   devices = _tpu_devices(generation)
   mesh = jax.sharding.Mesh(devices, ("x",))
   shard = jax.sharding.NamedSharding(mesh, jax.P())
-  B_, N_, K_, H_, ps, max_length, T_ = 4, 8, 2, 128, 16, 16384, 2
+  B_, N_, K_, H_, ps, max_length, P_ = 8, 16, 4, 128, 64, 32768, 600
   cache = jax.eval_shape(lambda: jattn.paged.init_cache(
-      B_, max_length, num_kv_heads=K_, head_dim=H_, page_size=ps, num_pages=1024,
+      B_, max_length, num_kv_heads=K_, head_dim=H_, page_size=ps, num_pages=P_,
       dtype=jnp.bfloat16))
   cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard), cache)
-  q = jax.ShapeDtypeStruct((B_, T_, N_, H_), jnp.bfloat16, sharding=shard)
-  dense_bytes = B_ * N_ * T_ * max_length * 4  # float32 logits [B, N, T, max_length]
+  pool_bytes = 2 * P_ * ps * K_ * H_ * 2  # keys and values, bfloat16
 
-  def compiled(implementation):
-    f = jax.jit(lambda q, c: jattn.decode_attention(
-        q, c, implementation=implementation, mask_mod=jattn.mods.sliding_window(4000),
-        score_mod=jattn.mods.alibi(jattn.mods.alibi_slopes(N_)), sinks=jnp.zeros(N_)))
+  def compiled(T_, **kwargs):
+    q = jax.ShapeDtypeStruct((B_, T_, N_, H_), jnp.bfloat16, sharding=shard)
+    f = jax.jit(lambda q, c: jattn.decode_attention(q, c, **kwargs))
     with jattn.lowering_for("tpu"):
       return f.trace(q, cache).lower(lowering_platforms=("tpu",)).compile()
 
-  kernel = compiled(None)  # the default on TPU
-  assert "jattn_paged_decode_tpu" in kernel.as_text()
-  assert kernel.memory_analysis().temp_size_in_bytes < dense_bytes / 4
-  dense = compiled("xla")
-  assert "jattn_paged_decode_tpu" not in dense.as_text()
-  assert dense.memory_analysis().temp_size_in_bytes >= dense_bytes
+  for T_, kwargs in ((1, dict(is_causal=True)),
+                     (2, dict(mask_mod=jattn.mods.sliding_window(4000), sinks=jnp.zeros(N_),
+                              score_mod=jattn.mods.alibi(jattn.mods.alibi_slopes(N_))))):
+    kernel = compiled(T_, **kwargs)  # the default on TPU
+    assert "jattn_paged_decode_tpu" in kernel.as_text()
+    dense_bytes = B_ * N_ * T_ * max_length * 4  # float32 logits [B, N, T, max_length]
+    temp = kernel.memory_analysis().temp_size_in_bytes
+    assert temp < dense_bytes / 4 and temp < pool_bytes / 8, temp

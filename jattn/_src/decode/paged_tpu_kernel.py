@@ -37,6 +37,12 @@ def _reader(refs, meta):
   return read
 
 
+def _precision(x):
+  """Stated, not left to jax_default_matmul_precision: Mosaic takes no HIGHEST on bfloat16."""
+  return (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else
+          jax.lax.Precision.DEFAULT)
+
+
 def _per_head(evaluate, uses_n: bool, k: int, G: int, rows_g, tile):
   """evaluate(n) on the tile, each row with its own head n = k G + g (rows_g [GT, S]):
   once if the function ignores n, else once per g, rows picked by g."""
@@ -120,7 +126,7 @@ def kernel(*refs, p, tm):
       keys = kbuf[slot, :, k, :]  # [S, H]
       values = vbuf[slot, :, k, :]
       values = jnp.where(s_valid, values, jnp.zeros((), values.dtype))
-      x = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())),
+      x = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=_precision(q),
                               preferred_element_type=jnp.float32) * scale
       keep_k = keep
       if score_jaxpr is not None:
@@ -140,7 +146,9 @@ def kernel(*refs, p, tm):
       alpha = jnp.exp(m_prev - m_new)
       prob = jnp.where(keep_k, jnp.exp(x - m_new[:, :1]), 0.0)
       l_sc[k] = alpha * l_sc[k] + jnp.sum(prob, axis=1, keepdims=True)
-      pv = jax.lax.dot_general(prob.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+      prob = prob.astype(values.dtype)
+      pv = jax.lax.dot_general(prob, values, (((1,), (0,)), ((), ())),
+                               precision=_precision(prob),
                                preferred_element_type=jnp.float32)  # [GT, D]
       acc_sc[k] = acc_sc[k] * alpha[:, :1] + pv
       m_sc[k] = m_new
