@@ -22,11 +22,13 @@ and reports, bfloat16 pages of 64 tokens, N = 16, K = 4, H = D = 128, causal:
                  ceil(needed pages / W); / bandwidth;
   xla            the dense reference (every row's whole table), bytes accessed / bandwidth.
 
-HBM bandwidth: v5e 819 GB/s (cloud.google.com/tpu/docs/v5e), v6e 1640 GB/s
-(cloud.google.com/tpu/docs/v6e). Clocks are NOT published figures: derived as
-peak bf16 FLOP/s / (MXUs x MXU cells x 2): v5e 197 TFLOP/s / (4 x 128^2 x 2) =
-1.5 GHz; v6e 918 TFLOP/s / (4 x 256^2 x 2) = 1.75 GHz (the MXU count per v6e
-core, 4, is an assumption).
+HBM bandwidth: v5e 819 GB/s (cloud.google.com/tpu/docs/v5e; jax's
+jax/_src/tpu_info.py has 8.20e11), v6e 1640 GB/s (cloud.google.com/tpu/docs/v6e;
+tpu_info 1.64e12). Clocks are NOT published figures: derived as peak bf16
+FLOP/s / (MXUs x MXU cells x 2): v5e 1.97e14 / (4 x 128^2 x 2) = 1.5 GHz (4
+MXUs as tpu_info lists); v6e 9.2e14 / (4 x 256^2 x 2) = 1.75 GHz, assuming 4
+MXUs a core: tpu_info lists 2, which would make it 3.5 GHz and halve v6e's
+issue times. Take the v6e issue time as uncertain by that factor of 2.
 """
 
 from __future__ import annotations
