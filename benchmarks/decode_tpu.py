@@ -80,7 +80,7 @@ def bundles(dump: pathlib.Path, kernel: str = "jattn_paged_decode_tpu"):
     return None
   total, starts, ends = 0, [], {}
   for line in max(files, key=lambda f: f.stat().st_mtime).read_text().splitlines():
-    m = re.match(r"\s+(0x[0-9a-f]+|\d+)\s+(LB:)?", line)
+    m = re.match(r"\s*(0x[0-9a-f]+|\d+)\s+(LB:)?", line)
     if not m:
       continue
     address = int(m.group(1), 0)
