@@ -19,6 +19,12 @@ interleaved so that load on the machine hits all alike (median, milliseconds):
 and the cache memory of each (bytes of its key and value arrays).
 
   python benchmarks/decode.py [--steps 20] [--page-size 64] [--out FILE] [--smoke]
+
+`--tpu` instead estimates the step on TPU v5e and v6e from deviceless compiles
+(the "paged_tpu" kernel against the HBM roofline, "split" and "xla"; bfloat16;
+`benchmarks/decode_tpu.py` says how), in a venv with libtpu:
+
+  JAX_PLATFORMS=cpu python benchmarks/decode.py --tpu [--out FILE]
 """
 
 from __future__ import annotations
@@ -138,7 +144,13 @@ def main():
   parser.add_argument("--pages-per-step", type=int, default=None)
   parser.add_argument("--out", type=pathlib.Path, default=None)
   parser.add_argument("--smoke", action="store_true", help="tiny lengths, 2 steps")
+  parser.add_argument("--tpu", action="store_true",
+                      help="estimates for TPU v5e / v6e from deviceless compiles")
   args = parser.parse_args()
+  if args.tpu:
+    from benchmarks import decode_tpu
+    decode_tpu.main(args.out)
+    return
   lengths, max_length = (LENGTHS, MAX_LENGTH) if not args.smoke else ((5, 40, 17), 64)
   steps = 2 if args.smoke else args.steps
   B = len(lengths)

@@ -305,9 +305,10 @@ def test_explain_decode_reports_each_platform():
                                                         page_size=64, num_pages=600))
   q = jax.ShapeDtypeStruct((8, 1, 16, 128), jnp.float32)
   report = jattn.explain_decode(q, cache, mask_mod=jattn.mods.causal())
-  for platform in ("cpu", "tpu", "cuda"):
+  for platform in ("cpu", "cuda"):
     assert report.implementation(platform) == "split"
     assert report.choices[platform].plan.pages_per_step == 16  # 1024 keys per step
+  assert report.implementation("tpu") == "paged_tpu"  # the kernel (tests/decode/test_paged_tpu.py)
   assert "closed form" in str(report)
   user = jattn.explain_decode(q, cache, mask_mod=_user_mask, implementation="xla")
   assert user.implementation("cpu") == "xla" and "4096 keys per row" in str(user)

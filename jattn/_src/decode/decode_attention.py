@@ -73,7 +73,7 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
       B=B, T=T, N=N, K=K, H=H, D=D, page_size=ps, max_pages=cache.max_pages, num_pages=P,
       dtype=str(jnp.dtype(query.dtype)), is_causal=is_causal, window=window, mask=mask,
       has_score=score_mod is not None, has_sinks=sinks is not None,
-      pages_per_step=pages_per_step)
+      pages_per_step=pages_per_step, **_registry.kernel_facts(mods, cache))
   return call, mods, q_lengths, scale
 
 
@@ -156,7 +156,7 @@ def explain_decode(query, cache, *, implementation=None, **kwargs) -> dispatch.E
     >>> q = jax.ShapeDtypeStruct((8, 1, 16, 128), jnp.float32)           # [B, T, N, H]
     >>> report = jattn.explain_decode(q, cache, is_causal=True)
     >>> report.implementation("tpu"), report.implementation("cpu")
-    ('split', 'split')
+    ('paged_tpu', 'split')
   """
   call = None
 

@@ -5,14 +5,18 @@ The same machinery as `dot_product_attention`'s (`jattn/_src/dispatch.py`): a
 reason it refuses), chosen when the program is lowered.
 
   "split": flash-decoding in pure JAX over the needed pages only (every platform);
-  "xla":   every row's whole block table gathered, one dense tile (the reference).
+  "xla":   every row's whole block table gathered, one dense tile (the reference);
+  "paged_tpu": a Pallas TPU kernel DMA-ing the listed pages from the pool (`paged_tpu`),
+           the default on TPU where it takes the call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from jattn._src.decode import paged_tpu as _paged_tpu
 from jattn._src.decode import split as _split
+from jattn._src.impl.interpret import interpreting
 from jattn._src.impl.registry import Implementation
 
 # Keys gathered per step (W pages x page_size): 1024 keys are 4 MiB of float32 keys
@@ -30,6 +34,8 @@ class DecodeCall:
   """The static facts of one `decode_attention` call (what a plan may depend on).
 
   mask: "none", "closed form" (a ready-made jattn.mods mask) or "mask_mod" (a user's).
+  mods_reason: why a kernel cannot evaluate the mods on a tile, or None;
+  mods_uses_n: (mask_mod reads n, score_mod reads n); cache_dtype: the key pages'.
   """
 
   B: int
@@ -49,6 +55,17 @@ class DecodeCall:
   has_sinks: bool
   pages_per_step: int | None
   interpret: bool = False
+  mods_reason: str | None = None
+  mods_uses_n: tuple[bool, bool] = (False, False)
+  cache_dtype: str = ""
+
+
+def kernel_facts(mods, cache) -> dict:
+  """The DecodeCall fields the kernels plan from, beyond the shapes: `interpret` (inside
+  `pallas_interpret()`), what the tile evaluator makes of the mods, the pages' dtype."""
+  reason, mask_n, score_n = _paged_tpu.mods_facts(mods)
+  return dict(interpret=interpreting(), mods_reason=reason, mods_uses_n=(mask_n, score_n),
+              cache_dtype=str(cache.key_pages.dtype))
 
 
 def default_pages_per_step(N: int, T: int, page_size: int) -> int:
@@ -98,9 +115,13 @@ def _run_dense(plan, query, cache, mods, options):
 DECODE_IMPLEMENTATIONS = {
     "split": Implementation("split", _split_plan, _run_split),
     "xla": Implementation("xla", _gather_all_plan, _run_dense),
+    "paged_tpu": Implementation("paged_tpu", _paged_tpu.plan, _paged_tpu.run,
+                                platforms=("tpu",), interpretable=True),
 }
 
 
 def decode_preference(call: DecodeCall, platform: str) -> tuple[str, ...]:
-  """Best first: the split path everywhere until a kernel of its own lands."""
+  """Best first: the TPU kernel on TPU where it takes the call; the split path elsewhere."""
+  if platform == "tpu":
+    return ("paged_tpu", "split", "xla")
   return ("split", "xla")

@@ -1,0 +1,187 @@
+"""The decode step on TPU v5e and v6e, estimated from the TPU compiler's own output on a
+host without a TPU (`python benchmarks/decode.py --tpu`, in a venv with libtpu).
+
+Nothing here ran on a TPU. For each generation and batch it compiles one
+decode_attention call (no write) with the TPU compiler (deviceless, `topologies`)
+and reports, bfloat16 pages of 64 tokens, N = 16, K = 4, H = D = 128, causal:
+
+  roofline       bytes of the keys and values each row needs (its length x K x
+                 (H + D) x 2) / the generation's HBM bandwidth;
+  paged_tpu      the kernel (the default on TPU): its DMA volume, every listed page
+                 whole (ceil(length / 64) pages a row) / bandwidth, and its issue
+                 time from the final bundle schedule the compiler dumps
+                 (LIBTPU_INIT_ARGS=--xla_jf_dump_to): the bundles of the page loop's
+                 body x pages + the rest x programs, at one bundle a cycle with no
+                 stall, at the clock below; the estimate is the larger of the two
+                 (perfect overlap of DMA and compute: a lower bound);
+  split          the pure-JAX path compiled for the same TPU: XLA's
+                 `cost_analysis()["bytes accessed"]` counts its while loop's body
+                 once (the trip count is data-dependent), so the body's bytes are
+                 taken as the difference between two compiles at W and 2W pages per
+                 step, and the program's bytes = (outside) + steps x (body), steps =
+                 ceil(needed pages / W); / bandwidth;
+  xla            the dense reference (every row's whole table), bytes accessed / bandwidth.
+
+HBM bandwidth: v5e 819 GB/s (cloud.google.com/tpu/docs/v5e; jax's
+jax/_src/tpu_info.py has 8.20e11), v6e 1640 GB/s (cloud.google.com/tpu/docs/v6e;
+tpu_info 1.64e12). Clocks are NOT published figures: derived as peak bf16
+FLOP/s / (MXUs x MXU cells x 2): v5e 1.97e14 / (4 x 128^2 x 2) = 1.5 GHz (4
+MXUs as tpu_info lists); v6e 9.2e14 / (4 x 256^2 x 2) = 1.75 GHz, assuming 4
+MXUs a core: tpu_info lists 2, which would make it 3.5 GHz and halve v6e's
+issue times. Take the v6e issue time as uncertain by that factor of 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+GENERATIONS = {  # HBM bytes/s, clock Hz (see the module docstring)
+    "v5e": (819e9, 1.5e9),
+    "v6e": (1640e9, 1.75e9),
+}
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N, K, H, D, PAGE = 16, 4, 128, 128, 64
+BATCHES = {
+    "B=8, 256..32k": ((256, 320, 384, 448, 512, 640, 768, 32512), 32768),
+    "B=1, 128k": ((131072,), 131072),
+}
+
+
+def kernel_bundles(generation: str, lengths, max_length):
+  """(bundles of the kernel, of its page loop's body) for this batch, from a compile in a
+  subprocess whose libtpu dumps its schedules (a dump of every compile is slow), or None."""
+  with tempfile.TemporaryDirectory(prefix="jattn_tpu_dump_") as dump:
+    env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", LIBTPU_INIT_ARGS=(os.environ.get("LIBTPU_INIT_ARGS", "")
+                                             + f" --xla_jf_dump_to={dump}").strip())
+    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}]; from benchmarks import decode_tpu; "
+            f"from jax.experimental import topologies; "
+            f"decode_tpu._compile(topologies.get_topology_desc({generation + '=1x1'!r}, 'tpu')"
+            f".devices, {list(map(int, lengths))}, {int(max_length)}, None)")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if done.returncode:
+      raise RuntimeError(f"the kernel's compile failed: {done.stderr[-2000:]}")
+    return bundles(pathlib.Path(dump))
+
+
+def bundles(dump: pathlib.Path, kernel: str = "jattn_paged_decode_tpu"):
+  """(bundles of the kernel, bundles of its innermost loop's body) from the final
+  bundle schedule; None if the compiler wrote none."""
+  files = [f for f in dump.iterdir() if kernel in f.name
+           and f.name.endswith("-final_bundles.txt") and "schedule" not in f.name]
+  if not files:
+    return None
+  total, starts, ends = 0, [], {}
+  for line in max(files, key=lambda f: f.stat().st_mtime).read_text().splitlines():
+    m = re.match(r"\s*(0x[0-9a-f]+|\d+)\s+(LB:)?", line)
+    if not m:
+      continue
+    address = int(m.group(1), 0)
+    total += 1
+    region = re.search(r"Start region (\d+)", line)
+    if m.group(2) and region:
+      starts.append((address, region.group(1)))
+    for target in re.findall(r"sbr\.rel \([^)]*\) target = \$region(\d+)", line):
+      ends[target] = address
+  loops = [(start, ends[r] - start + 1) for start, r in starts if r in ends]
+  return total, (max(loops)[1] if loops else 0)
+
+
+def _compile(devices, lengths, max_length, implementation, pages_per_step=None):
+  import jax
+  import jax.numpy as jnp
+  import jattn
+  mesh = jax.sharding.Mesh(devices, ("x",))
+  shard = jax.sharding.NamedSharding(mesh, jax.P())
+  B = len(lengths)
+  num_pages = int(sum(-(-(n + 1) // PAGE) for n in lengths))
+  cache = jax.eval_shape(lambda: jattn.paged.init_cache(
+      B, max_length, num_kv_heads=K, head_dim=H, page_size=PAGE, num_pages=num_pages,
+      dtype=jnp.bfloat16))
+  cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard), cache)
+  q = jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16, sharding=shard)
+  f = jax.jit(lambda q, c: jattn.decode_attention(q, c, is_causal=True,
+                                                  implementation=implementation,
+                                                  pages_per_step=pages_per_step))
+  with jattn.lowering_for("tpu"):
+    compiled = f.trace(q, cache).lower(lowering_platforms=("tpu",)).compile()
+  report = jattn.explain_decode(q, cache, is_causal=True, implementation=implementation,
+                                pages_per_step=pages_per_step)
+  return compiled, report.choices["tpu"].plan
+
+
+def estimate(generation: str, lengths, max_length, counted) -> dict:
+  """counted: `kernel_bundles` of this batch (before this process loads libtpu: two
+  processes cannot hold it at once)."""
+  from jax.experimental import topologies
+  bandwidth, clock = GENERATIONS[generation]
+  devices = topologies.get_topology_desc(f"{generation}=1x1", "tpu").devices
+  lengths = np.asarray(lengths)
+  token_bytes = K * (H + D) * 2
+  pages = -(-lengths // PAGE)
+  roofline_bytes = int(lengths.sum()) * token_bytes
+  out = {"generation": generation, "lengths": lengths.tolist(), "hbm_bytes_per_s": bandwidth,
+         "clock_hz_derived": clock, "roofline_bytes": roofline_bytes,
+         "roofline_us": 1e6 * roofline_bytes / bandwidth}
+
+  compiled, plan = _compile(devices, lengths, max_length, None)
+  assert "jattn_paged_decode_tpu" in compiled.as_text(), "the default on TPU is not the kernel"
+  programs = len(lengths) * plan.splits
+  dma_bytes = int(pages.sum()) * PAGE * token_bytes
+  kernel = {"plan": str(plan), "dma_bytes": dma_bytes, "dma_us": 1e6 * dma_bytes / bandwidth,
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+  if counted is not None:
+    total, body = counted
+    cycles = int(pages.sum()) * body + programs * (total - body)
+    kernel.update(bundles_total=total, bundles_per_page=body, issue_us=1e6 * cycles / clock)
+  kernel["estimate_us"] = max(kernel["dma_us"], kernel.get("issue_us", 0.0))
+  out["paged_tpu"] = kernel
+
+  W = 16  # the split path's default at pages of 64 (1024 keys a step)
+  one = _compile(devices, lengths, max_length, "split", W)[0].cost_analysis()["bytes accessed"]
+  two = _compile(devices, lengths, max_length, "split", 2 * W)[0].cost_analysis()[
+      "bytes accessed"]
+  body = two - one  # W pages' bytes in one step
+  steps = -(-int(pages.sum()) // W)
+  split_bytes = (one - body) + steps * body
+  out["split"] = {"bytes_accessed_loop_once": one, "body_bytes_per_step": body,
+                  "steps": steps, "bytes": split_bytes, "estimate_us": 1e6 * split_bytes / bandwidth}
+  dense = _compile(devices, lengths, max_length, "xla")[0].cost_analysis()["bytes accessed"]
+  out["xla"] = {"bytes": dense, "estimate_us": 1e6 * dense / bandwidth}
+  return out
+
+
+def main(out_path=None):
+  # deviceless compiles need no exclusive TPU: other processes on the host may hold libtpu
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  import jax
+  results = []
+  print(f"jax {jax.__version__}; deviceless TPU compiles (estimates, no TPU ran)")
+  print(f"{'generation':<5} {'batch':<16} {'roofline':>9} {'kernel':>9} {'dma':>8} "
+        f"{'issue':>8} {'bundles/page':>12} {'split':>9} {'xla':>9} {'kernel/roof':>11} "
+        f"{'split/kernel':>12}")
+  counted = {(g, name): kernel_bundles(g, *batch) for g in GENERATIONS
+             for name, batch in BATCHES.items()}
+  for generation in GENERATIONS:
+    for name, (lengths, max_length) in BATCHES.items():
+      r = estimate(generation, lengths, max_length, counted[generation, name])
+      r["batch"] = name
+      results.append(r)
+      k = r["paged_tpu"]
+      print(f"{generation:<5} {name:<16} {r['roofline_us']:8.1f}u {k['estimate_us']:8.1f}u "
+            f"{k['dma_us']:7.1f}u {k.get('issue_us', float('nan')):7.1f}u "
+            f"{k.get('bundles_per_page', 0):12d} {r['split']['estimate_us']:8.1f}u "
+            f"{r['xla']['estimate_us']:8.1f}u {k['estimate_us'] / r['roofline_us']:10.2f}x "
+            f"{r['split']['estimate_us'] / k['estimate_us']:11.2f}x", flush=True)
+  if out_path is not None:
+    out_path.write_text(json.dumps({"jax": jax.__version__, "N": N, "K": K, "H": H, "D": D,
+                                    "page_size": PAGE, "dtype": "bfloat16",
+                                    "results": results}, indent=1) + "\n")
+  return results
