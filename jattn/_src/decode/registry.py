@@ -29,7 +29,10 @@ STEP_LOGITS = 1 << 16
 class DecodeCall:
   """The static facts of one `decode_attention` call (what a plan may depend on).
 
-  mask: "none", "closed form" (a ready-made jattn.mods mask) or "mask_mod" (a user's).
+  mask: "none", "closed form" (a ready-made jattn.mods mask), "closed form unfit" (one
+  whose arrays do not fit the cache's keys, so evaluated as a user's) or "mask_mod".
+  return_max_logits: run also returns the max logits [B, T, N] (a plan that cannot
+  refuses the call).
   """
 
   B: int
@@ -49,6 +52,7 @@ class DecodeCall:
   has_sinks: bool
   pages_per_step: int | None
   interpret: bool = False
+  return_max_logits: bool = False
 
 
 def default_pages_per_step(N: int, T: int, page_size: int) -> int:
@@ -75,6 +79,9 @@ class GatherAllPlan:
 
 
 _EMPTY_PAGES = {"none": "(no mask_mod)", "closed form": "in closed form (jattn.mods)",
+                "closed form unfit": "found by evaluating mask_mod on the pages in range "
+                                     "(no closed form: the mask's arrays do not span the "
+                                     "cache's max_pages x page_size keys)",
                 "mask_mod": "found by evaluating mask_mod on the pages in range"}
 
 
@@ -88,7 +95,8 @@ def _gather_all_plan(call: DecodeCall, platform: str):
 
 
 def _run_split(plan, query, cache, mods, options):
-  return _split.split(query, cache, mods, pages_per_step=plan.pages_per_step, **options)
+  return _split.differentiable(_split.split, query, cache, mods,
+                               pages_per_step=plan.pages_per_step, **options)
 
 
 def _run_dense(plan, query, cache, mods, options):
