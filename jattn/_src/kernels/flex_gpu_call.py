@@ -18,4 +18,4 @@ def _kernels():
 
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`: the
 # kernels under jattn's kernel VJP (sinks after the forward)
-run = kernel_vjp.padded_kernel_run(_kernels)
+run = kernel_vjp.padded_kernel_run(_kernels, accumulator_out=True)

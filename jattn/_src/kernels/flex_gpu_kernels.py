@@ -241,9 +241,11 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, p: Plan, name: str):
 # ---------------------------------------------------------------- forward
 
 
-def forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """-> (out [B, N, Tp, Dp] in the value's dtype, lse float32 [B, N, Tp], max logits
-  float32 [B, N, Tp] when `p.max_logits`, else None); no sinks."""
+def forward(p: Plan, layout: Layout, query, key, value, modifiers,
+            accumulator_out: bool = False):
+  """-> (out [B, N, Tp, Dp] in the value's dtype (float32 with accumulator_out: the
+  VJP's residual), lse float32 [B, N, Tp], max logits float32 [B, N, Tp] when
+  `p.max_logits`, else None); no sinks."""
   q, k, v = _to_tiles(p, layout, query, key, value)
   tm, extras = _extras(p, modifiers, modifiers.mods)
   G = p.N // p.K
@@ -256,15 +258,20 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
   row_stats = 2 if p.max_logits else 1  # lse, and the running max m when asked
   out_specs = [pl.BlockSpec((None, None, bq, p.D_padded), lambda b, n, i: (b, n, i, 0)),
                *[pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))] * row_stats]
-  out_shape = [jax.ShapeDtypeStruct((p.B, p.N, p.T_padded, p.D_padded), value.dtype),
+  out_shape = [jax.ShapeDtypeStruct((p.B, p.N, p.T_padded, p.D_padded),
+                                    jnp.float32 if accumulator_out else value.dtype),
                *[jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)] * row_stats]
   out, lse, *max_logits = _call(
-      functools.partial(_forward_kernel, p=p, tm=tm), (p.B, p.N, p.T_padded // bq), in_specs,
-      out_specs, out_shape, p, "jattn_flex_gpu_fwd")(q, k, v, *extras)
+      functools.partial(_forward_kernel, p=p, tm=tm,
+                        exact_pv=accumulator_out and bool(p.score_reads or p.score_tables)),
+      (p.B, p.N, p.T_padded // bq), in_specs, out_specs, out_shape, p,
+      "jattn_flex_gpu_fwd")(q, k, v, *extras)
   return out, lse, max_logits[0] if max_logits else None
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods, exact_pv: bool = False):
+  """exact_pv: P V with the float32 weights (score_mod's float arrays get gradients: the
+  backward's row term dO . out must equal its rowsum(P dP); see blockwise_loop)."""
   outputs = 3 if p.max_logits else 2
   r = _Reads(p, tm, refs[:-outputs])
   o_ref, lse_ref, *max_ref = refs[-outputs:]
@@ -284,7 +291,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
     probs = jnp.exp(s - shift[:, None])
     alpha = jnp.exp(m - m_next)
     v = v_ref[pl.ds(j * bk, bk), :]
-    acc = acc * alpha[:, None] + _dot(probs.astype(v.dtype), v, ((1,), (0,)), v.dtype)
+    pv = jnp.float32 if exact_pv else v.dtype
+    acc = acc * alpha[:, None] + _dot(probs.astype(pv), v.astype(pv), ((1,), (0,)), pv)
     return acc, m_next, alpha * l + jnp.sum(probs, axis=1)
 
   init = (jnp.zeros((bq, p.D_padded), jnp.float32), jnp.full((bq,), LARGE_NEGATIVE, jnp.float32),
