@@ -64,18 +64,21 @@ def dot_product_attention(
       (tokens as columns), or without B.
     implementation: None (the fastest correct one for the platform and shape:
       on CPU "blockwise" from T * S >= 128 * 128 and "xla" below; on GPU
-      "cudnn", else "pallas", else "flex_gpu", where they apply; on TPU "splash",
-      else "flex_tpu"; see `jattn/_src/impl/registry.py`), "xla" (einsum), "vmap"
+      "cudnn", else "flex_gpu", else "flex_mgpu", else "pallas", where they
+      apply; on TPU "splash", else "flex_tpu"; then "xla" or "blockwise" by the
+      logits' size; see `jattn/_src/impl/registry.py`), "xla" (einsum), "vmap"
       (single-head attention under jax.vmap), "blockwise" (flash-style, memory
       linear in T and S, no weights), "cudnn" (jax.nn's fused GPU kernel),
       "splash" (jax's TPU splash kernel), "pallas" (jax's Pallas GPU flash
-      kernel), "flex_tpu" / "flex_gpu" (jattn's own Pallas kernels with the mods
-      inside) -- the last five raise a ValueError naming the argument they
-      cannot honour -- or
+      kernel), "flex_tpu" / "flex_gpu" / "flex_mgpu" (jattn's own Pallas
+      kernels with the mods inside: TPU, Triton GPU, Mosaic GPU) -- the
+      kernels raise a ValueError naming the argument they cannot honour -- or
       "ring" (sequence-parallel over the
       "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`),
       or "context_parallel" (the same mesh; ring, all-gather or Ulysses chosen
       per call: `jattn.context_parallel_attention` with strategy=None).
+      tests/impl/test_docs_match_registry.py holds this list and these orders
+      to the registry.
     dropout_rate, dropout_rng: dropout on the attention weights, with inverted
       scaling; the same rng gives the same result.
     broadcast_dropout: one dropout draw [T, S] shared by every batch element

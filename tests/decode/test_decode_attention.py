@@ -308,7 +308,11 @@ def test_explain_decode_reports_each_platform():
   for platform in ("cpu", "cuda"):
     assert report.implementation(platform) == "split"
     assert report.choices[platform].plan.pages_per_step == 16  # 1024 keys per step
-  assert report.implementation("tpu") == "paged_tpu"  # the kernel (tests/decode/test_paged_tpu.py)
+  # the TPU kernel when named (tests/decode/test_paged_tpu.py); split by default, from the
+  # TPU compiler's estimates (docs/sampling.md)
+  assert report.implementation("tpu") == "split"
+  named = jattn.explain_decode(q, cache, mask_mod=jattn.mods.causal(), implementation="paged_tpu")
+  assert named.implementation("tpu") == "paged_tpu" and named.implementation("cpu") is None
   assert "closed form" in str(report)
   user = jattn.explain_decode(q, cache, mask_mod=_user_mask, implementation="xla")
   assert user.implementation("cpu") == "xla" and "4096 keys per row" in str(user)

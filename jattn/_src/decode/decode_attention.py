@@ -15,13 +15,19 @@ from jattn._src.call import local_window
 from jattn._src.core import checks as _checks
 from jattn._src.decode import paged_cache as _paged
 from jattn._src.decode import registry as _registry
+from jattn._src.decode import work_list as _work_list
 from jattn._src.masks.closed_form_blocks import is_closed_form
 from jattn._src.masks.programmable import build_mods
 
 
 def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
-           local_window_size, scale, pages_per_step):
-  """-> (DecodeCall, mods, q_lengths, scale): the checked call, before any work."""
+           local_window_size, scale, pages_per_step, return_max_logits=False):
+  """-> (DecodeCall, mods, q_lengths, scale, refused): the checked call, before any work.
+
+  refused bool [B]: rows whose query_lengths are out of range, which only a traced
+  call can have (a concrete one raises): their q_lengths are 0 and the caller
+  makes their output NaN.
+  """
   if not isinstance(cache, _paged.PagedKVCache):
     raise TypeError(f"cache must be a jattn.paged.PagedKVCache (jattn.paged.init_cache), "
                     f"got {type(cache).__name__}")
@@ -40,11 +46,19 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
   if H != Hk:
     raise ValueError(f"query: depth H = {H} (shape {query.shape}) differs from the cache's "
                      f"key_pages [P, page_size, K, H] = {tuple(cache.key_pages.shape)}")
+  if not query.dtype == cache.key_pages.dtype == cache.value_pages.dtype:
+    raise TypeError(f"query and the cache's pages must share one dtype (as the query, key "
+                    f"and value of dot_product_attention), got query {query.dtype} "
+                    f"{query.shape}, key_pages {cache.key_pages.dtype} "
+                    f"{tuple(cache.key_pages.shape)}, value_pages {cache.value_pages.dtype} "
+                    f"{tuple(cache.value_pages.shape)}")
   if N % K:
     raise ValueError(f"query: N = {N} heads (shape {query.shape}) is not a multiple of the "
                      f"cache's K = {K} kv heads (key_pages {tuple(cache.key_pages.shape)})")
   if not isinstance(is_causal, bool):
     raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  if not isinstance(return_max_logits, bool):
+    raise TypeError(f"return_max_logits must be a bool, got {return_max_logits!r}")
   window = local_window(local_window_size)
   if pages_per_step is not None and (not isinstance(pages_per_step, int)
                                      or pages_per_step < 1):
@@ -64,17 +78,26 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
       raise ValueError(f"query_lengths {ql.tolist()}: each row's queries are its last "
                        f"tokens in the cache, so 0 <= query_lengths <= min(T = {T}, "
                        f"cache.lengths {lengths.tolist()})")
+  # Traced: nothing can raise, so an out-of-range row computes nothing (no query at a
+  # negative position) and its output becomes NaN, never a plausible value.
+  refused = (q_lengths < 0) | (q_lengths > T) | (q_lengths > cache.lengths)
+  q_lengths = jnp.where(refused, 0, q_lengths)
   mods = build_mods(mask_mod, score_mod, sinks, None, N=N)
   if scale is None:
     scale = 1.0 / float(np.sqrt(H))
+  # what the split path runs: a ready-made mask whose arrays do not fit the cache's
+  # max_pages * page_size keys is evaluated like a user's mask_mod
   mask = "none" if mask_mod is None else (
-      "closed form" if is_closed_form(mask_mod) else "mask_mod")
+      "closed form" if _work_list.closed_form_fits(mask_mod, B=B, T=T, page_size=ps,
+                                                   max_pages=cache.max_pages)
+      else "closed form unfit" if is_closed_form(mask_mod) else "mask_mod")
   call = _registry.DecodeCall(
       B=B, T=T, N=N, K=K, H=H, D=D, page_size=ps, max_pages=cache.max_pages, num_pages=P,
       dtype=str(jnp.dtype(query.dtype)), is_causal=is_causal, window=window, mask=mask,
       has_score=score_mod is not None, has_sinks=sinks is not None,
-      pages_per_step=pages_per_step, **_registry.kernel_facts(mods, cache))
-  return call, mods, q_lengths, scale
+      pages_per_step=pages_per_step, return_max_logits=return_max_logits,
+      **_registry.kernel_facts(mods, cache))
+  return call, mods, q_lengths, scale, refused
 
 
 def _choices(call, implementation):
@@ -87,7 +110,7 @@ def _choices(call, implementation):
 
 def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_mod=None,
                      sinks=None, is_causal: bool = False, local_window_size=None, scale=None,
-                     implementation=None, pages_per_step=None) -> jax.Array:
+                     implementation=None, pages_per_step=None, return_max_logits=False):
   """New queries [B, T, N, H] against a paged, ragged KV cache -> out [B, T, N, D].
 
   Row b's queries are its last query_lengths[b] tokens (default all T), already
@@ -107,13 +130,27 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
   and merges the partial softmaxes by log-sum-exp. Its work and reads grow
   with the sum of the row lengths, not B x max_length. Grouped heads read each
   kv head's page once. "xla" gathers every row's whole block table instead.
-  Forward only (it serves sampling): no gradient.
+
+  Under jax.grad (eager or jitted) the gradients with respect to the query,
+  the cache's key_pages and value_pages, sinks and the arrays the mods close
+  over are those of the "xla" path: "split"'s backward gathers every row's
+  whole block table (dense memory), its forward stays split.
+
+  return_max_logits: also return each query's largest visible logit (after
+  scale and score_mod), float32 [B, T, N], no gradient (stopped), as
+  `dot_product_attention`'s: a query with no visible key (padding slots t >=
+  query_lengths[b] included) gets the finite -0.7 * float32 max. Sinks do not
+  count. Returns (out, max_logits) then.
+
+  Under jax.jit a row whose query_lengths is out of range (which raises
+  eagerly) cannot raise: it reads nothing and its output (and max logits) is
+  NaN in every slot, never a value at a wrong position.
 
   Raises:
     ValueError / TypeError, before any work, naming the argument and shapes:
-      a query that does not fit the cache, query_lengths out of range, a page
-      id out of range or lengths past the table (a concrete cache), bad mods
-      or sinks (as `dot_product_attention`).
+      a query that does not fit the cache or whose dtype is not the cache's,
+      query_lengths out of range, a page id out of range or lengths past the
+      table (a concrete cache), bad mods or sinks (as `dot_product_attention`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, jattn
@@ -124,23 +161,34 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
     >>> jattn.decode_attention(q, cache, mask_mod=jattn.mods.causal()).shape
     (2, 1, 4, 8)
   """
-  call, mods, q_lengths, scale = _check(query, cache, query_lengths, mask_mod, score_mod,
-                                        sinks, is_causal, local_window_size, scale,
-                                        pages_per_step)
+  call, mods, q_lengths, scale, refused = _check(
+      query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal, local_window_size,
+      scale, pages_per_step, return_max_logits)
   choices = _choices(call, implementation)
   dispatch.record(choices)
-  options = dict(causal=call.is_causal, window=call.window, dtype=cache.value_pages.dtype)
+  options = dict(causal=call.is_causal, window=call.window, dtype=cache.value_pages.dtype,
+                 return_max_logits=call.return_max_logits)
 
   def branch(choice):
     if choice.implementation is None:
       return None
     run = _registry.DECODE_IMPLEMENTATIONS[choice.implementation].run
-    return lambda query, cache, mods, q_lengths, scale: run(
-        choice.plan, query, cache, mods, dict(options, q_lengths=q_lengths, scale=scale))
+
+    def go(query, cache, mods, q_lengths, scale):
+      # an implementation returns (out, max_logits) only when asked (its plan refuses a
+      # call it cannot honour)
+      got = run(choice.plan, query, cache, mods,
+                dict(options, q_lengths=q_lengths, scale=scale))
+      return got if call.return_max_logits else (got, None)
+    return go
 
   branches = {c.platform: (c.key, branch(c)) for c in choices}
-  return dispatch.per_platform(branches, jnp.asarray(query), cache, mods, q_lengths,
-                               jnp.asarray(scale, jnp.float32))
+  out, max_logits = dispatch.per_platform(branches, jnp.asarray(query), cache, mods,
+                                          q_lengths, jnp.asarray(scale, jnp.float32))
+  out = jnp.where(refused[:, None, None, None], jnp.nan, out)
+  if not call.return_max_logits:
+    return out
+  return out, jax.lax.stop_gradient(jnp.where(refused[:, None, None], jnp.nan, max_logits))
 
 
 def explain_decode(query, cache, *, implementation=None, **kwargs) -> dispatch.Explanation:
@@ -156,7 +204,7 @@ def explain_decode(query, cache, *, implementation=None, **kwargs) -> dispatch.E
     >>> q = jax.ShapeDtypeStruct((8, 1, 16, 128), jnp.float32)           # [B, T, N, H]
     >>> report = jattn.explain_decode(q, cache, is_causal=True)
     >>> report.implementation("tpu"), report.implementation("cpu")
-    ('paged_tpu', 'split')
+    ('split', 'split')
   """
   call = None
 
@@ -165,10 +213,11 @@ def explain_decode(query, cache, *, implementation=None, **kwargs) -> dispatch.E
     call = _check(query, cache, kwargs.get("query_lengths"), kwargs.get("mask_mod"),
                   kwargs.get("score_mod"), kwargs.get("sinks"), kwargs.get("is_causal", False),
                   kwargs.get("local_window_size"), kwargs.get("scale"),
-                  kwargs.get("pages_per_step"))[0]
+                  kwargs.get("pages_per_step"), kwargs.get("return_max_logits", False))[0]
 
   unknown = set(kwargs) - {"query_lengths", "mask_mod", "score_mod", "sinks", "is_causal",
-                           "local_window_size", "scale", "pages_per_step"}
+                           "local_window_size", "scale", "pages_per_step",
+                           "return_max_logits"}
   if unknown:
     raise TypeError(f"explain_decode got unexpected arguments {sorted(unknown)}")
   jax.eval_shape(check, query, cache)

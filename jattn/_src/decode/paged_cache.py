@@ -138,10 +138,22 @@ def _refuse_or_flag(cache: PagedKVCache, new: PagedKVCache, bits, detail: str):
 
 
 def check(cache: PagedKVCache) -> PagedKVCache:
-  """Raises the ValueError of a request refused under jit (the `error` bits); else cache."""
-  bits = int(cache.error)
-  if bits:
-    raise ValueError("cache.error: " + "; ".join(ERRORS[b] for b in ERRORS if bits & b))
+  """Raises the ValueError of a request refused under jit (the `error` bits); else cache.
+
+  Eagerly on a concrete cache (after the jitted step) it raises at once. Inside a
+  jitted function it is a `jax.experimental.checkify` check: wrap the function in
+  `checkify.checkify` and call `.throw()` on the error it returns. Traced without
+  checkify, jax refuses to compile it ("Cannot abstractly evaluate a checkify.check
+  which was not functionalized"): nothing under plain jit can raise.
+  """
+  if _concrete(cache.error):
+    bits = int(cache.error)
+    if bits:
+      raise ValueError("cache.error: " + "; ".join(ERRORS[b] for b in ERRORS if bits & b))
+    return cache
+  from jax.experimental import checkify  # here: only a traced cache needs it
+  for bit, message in ERRORS.items():
+    checkify.check(cache.error & bit == 0, "cache.error: " + message)
   return cache
 
 

@@ -99,6 +99,8 @@ def plan(call, platform: str):
     return missing
   if call.mods_reason is not None:
     return call.mods_reason
+  if call.return_max_logits:
+    return "return_max_logits: the kernel does not write the max logits ('split' does)"
   cache_dtype = call.cache_dtype or call.dtype
   if cache_dtype not in _DTYPES:
     return f"it takes float32 or bfloat16 pages, got {cache_dtype}"
@@ -129,6 +131,9 @@ def plan(call, platform: str):
 
 
 _EMPTY_PAGES = {"none": "(no mask_mod)", "closed form": "in closed form (jattn.mods)",
+                "closed form unfit": "found by evaluating mask_mod on the pages in range "
+                                     "(no closed form: the mask's arrays do not span the "
+                                     "cache's max_pages x page_size keys)",
                 "mask_mod": "found by evaluating mask_mod on the pages in range"}
 
 

@@ -33,7 +33,10 @@ STEP_LOGITS = 1 << 16
 class DecodeCall:
   """The static facts of one `decode_attention` call (what a plan may depend on).
 
-  mask: "none", "closed form" (a ready-made jattn.mods mask) or "mask_mod" (a user's).
+  mask: "none", "closed form" (a ready-made jattn.mods mask), "closed form unfit" (one
+  whose arrays do not fit the cache's keys, so evaluated as a user's) or "mask_mod".
+  return_max_logits: run also returns the max logits [B, T, N] (a plan that cannot
+  refuses the call).
   mods_reason: why a kernel cannot evaluate the mods on a tile, or None;
   mods_uses_n: (mask_mod reads n, score_mod reads n); cache_dtype: the key pages'.
   """
@@ -55,6 +58,7 @@ class DecodeCall:
   has_sinks: bool
   pages_per_step: int | None
   interpret: bool = False
+  return_max_logits: bool = False
   mods_reason: str | None = None
   mods_uses_n: tuple[bool, bool] = (False, False)
   cache_dtype: str = ""
@@ -92,6 +96,9 @@ class GatherAllPlan:
 
 
 _EMPTY_PAGES = {"none": "(no mask_mod)", "closed form": "in closed form (jattn.mods)",
+                "closed form unfit": "found by evaluating mask_mod on the pages in range "
+                                     "(no closed form: the mask's arrays do not span the "
+                                     "cache's max_pages x page_size keys)",
                 "mask_mod": "found by evaluating mask_mod on the pages in range"}
 
 
@@ -105,23 +112,34 @@ def _gather_all_plan(call: DecodeCall, platform: str):
 
 
 def _run_split(plan, query, cache, mods, options):
-  return _split.split(query, cache, mods, pages_per_step=plan.pages_per_step, **options)
+  return _split.differentiable(_split.split, query, cache, mods,
+                               pages_per_step=plan.pages_per_step, **options)
 
 
 def _run_dense(plan, query, cache, mods, options):
   return _split.dense(query, cache, mods, **options)
 
 
+def _run_paged_tpu(plan, query, cache, mods, options):
+  # gradients as the split path's: the dense recomputation's (the kernel has no backward)
+  forward = lambda query, cache, mods, **options: _paged_tpu.run(plan, query, cache, mods,
+                                                                 options)
+  return _split.differentiable(forward, query, cache, mods, **options)
+
+
 DECODE_IMPLEMENTATIONS = {
     "split": Implementation("split", _split_plan, _run_split),
     "xla": Implementation("xla", _gather_all_plan, _run_dense),
-    "paged_tpu": Implementation("paged_tpu", _paged_tpu.plan, _paged_tpu.run,
+    "paged_tpu": Implementation("paged_tpu", _paged_tpu.plan, _run_paged_tpu,
                                 platforms=("tpu",), interpretable=True),
 }
 
 
 def decode_preference(call: DecodeCall, platform: str) -> tuple[str, ...]:
-  """Best first: the TPU kernel on TPU where it takes the call; the split path elsewhere."""
+  """Best first: the split path everywhere. On TPU "paged_tpu" is taken only when named:
+  the TPU compiler's schedule puts its step at 1.1 to 1.3x "split"'s (v5e, v6e; the page
+  loop is issue-bound unpacking one kv head out of [page_size, K, H] pages:
+  benchmarks/results/tpu_decode_estimates.json, docs/sampling.md)."""
   if platform == "tpu":
-    return ("paged_tpu", "split", "xla")
+    return ("split", "paged_tpu", "xla")
   return ("split", "xla")

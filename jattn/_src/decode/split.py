@@ -9,10 +9,13 @@ needed (about sum of the lengths / page_size), not to B x max_length.
 
 "xla" (`dense`) is the reference path: every row gathers its whole block table
 [B, max_pages * page_size] and one tile computes it (dense work and memory).
+It is also split's backward (`differentiable`): a loop with a traced trip count
+has no reverse-mode derivative under jit.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -44,9 +47,44 @@ def needed_pages(mods, cache, *, q_first, q_pos, q_valid, q_lengths, causal, win
                                   causal=causal, window=window, N=N, W=W)
 
 
+def _outputs(carry, mods, dtype, return_max_logits: bool):
+  """The running (m, l, o) -> out [B, T, N, D], and with return_max_logits the max
+  visible logits float32 [B, T, N] (m: LARGE_NEGATIVE where none), no gradient."""
+  out = _tile.finish(carry, None if mods is None else mods.sinks, dtype)
+  if not return_max_logits:
+    return out
+  m = lax.stop_gradient(carry[0])  # [B, K, G, T]
+  return out, jnp.einsum("BKGT->BTKG", m).reshape(out.shape[:3])
+
+
+def differentiable(forward, query, cache, mods, *, q_lengths, scale, **static):
+  """forward(query, cache, mods, q_lengths=, scale=, **static) with `dense`'s gradients.
+
+  The same values (dense computes what forward does, reading every page of the
+  table); jax.grad, eager or jitted, differentiates the dense path's recomputation
+  with respect to every float leaf of (query, cache, mods, scale).
+  """
+  dense_static = {k: v for k, v in static.items() if k != "pages_per_step"}
+
+  @jax.custom_vjp
+  def run(query, cache, mods, q_lengths, scale):
+    return forward(query, cache, mods, q_lengths=q_lengths, scale=scale, **static)
+
+  def run_fwd(*args):
+    return run(*args), args
+
+  def run_bwd(args, d_out):
+    reference = lambda query, cache, mods, q_lengths, scale: dense(
+        query, cache, mods, q_lengths=q_lengths, scale=scale, **dense_static)
+    return jax.vjp(reference, *args)[1](d_out)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(query, cache, mods, q_lengths, scale)
+
+
 def split(query, cache, mods, *, q_lengths, causal: bool, window, scale, pages_per_step: int,
-          dtype):
-  """out [B, T, N, D]; see the module docstring."""
+          dtype, return_max_logits: bool = False):
+  """out [B, T, N, D] (and max logits [B, T, N] if asked); see the module docstring."""
   B, T, N, H = query.shape
   K, D, ps, W = cache.key_pages.shape[2], cache.value_pages.shape[3], cache.page_size, \
       pages_per_step
@@ -67,11 +105,13 @@ def split(query, cache, mods, *, q_lengths, causal: bool, window, scale, pages_p
 
   carry = lax.fori_loop(0, _work_list.steps(count, W), step,
                         _tile.empty(B, K, N // K, T, D))
-  return _tile.finish(carry, None if mods is None else mods.sinks, dtype)
+  return _outputs(carry, mods, dtype, return_max_logits)
 
 
-def dense(query, cache, mods, *, q_lengths, causal: bool, window, scale, dtype):
-  """out [B, T, N, D] from every row's whole block table (reads every slot of it)."""
+def dense(query, cache, mods, *, q_lengths, causal: bool, window, scale, dtype,
+          return_max_logits: bool = False):
+  """out [B, T, N, D] (and max logits [B, T, N] if asked) from every row's whole block
+  table (reads every slot of it)."""
   B, T, N, H = query.shape
   M, ps = cache.max_pages, cache.page_size
   q, q_pos, q_valid, _ = _queries(query, cache, q_lengths)
@@ -84,4 +124,4 @@ def dense(query, cache, mods, *, q_lengths, causal: bool, window, scale, dtype):
   rows = jnp.arange(B, dtype=jnp.int32)
   partial = _tile.tile(q, keys, values, mods, rows=rows, q_pos=q_pos, q_valid=q_valid,
                        s_pos=s_pos, s_valid=s_valid, causal=causal, window=window, scale=scale)
-  return _tile.finish(partial, None if mods is None else mods.sinks, dtype)
+  return _outputs(partial, mods, dtype, return_max_logits)

@@ -42,6 +42,17 @@ def in_range(cache, *, q_first, q_lengths, causal: bool, window) -> jax.Array:
   return (first <= hi[:, None]) & (last >= lo[:, None]) & (q_lengths > 0)[:, None]
 
 
+def closed_form_fits(mask_mod, *, B: int, T: int, page_size: int, max_pages: int) -> bool:
+  """Whether `closed_form_nonempty` classifies this cache's pages in closed form (a
+  ready-made mask whose arrays fit the max_pages * page_size keys: e.g. document ids
+  max_length long that are no whole number of pages do not), from static shapes only."""
+  if not is_closed_form(mask_mod):
+    return False
+  one = lambda offset: closed_form_classes(mask_mod, B, T, max_pages * page_size, T,
+                                           page_size, offset, 0)
+  return jax.eval_shape(one, jnp.zeros((), jnp.int32)) is not None
+
+
 def closed_form_nonempty(mask_mod, cache, *, q_first, T: int):
   """bool [B, max_pages]: pages the ready-made mask leaves non-EMPTY for row b's T
   queries from q_first[b]; None if its classes have no closed form for this cache.
@@ -49,12 +60,10 @@ def closed_form_nonempty(mask_mod, cache, *, q_first, T: int):
   Query slots past a row's real queries only widen the range classified, so an
   EMPTY page is EMPTY for the real queries too.
   """
-  if not is_closed_form(mask_mod):
-    return None
   B, ps, M = cache.batch_size, cache.page_size, cache.max_pages
-  one = lambda offset: closed_form_classes(mask_mod, B, T, M * ps, T, ps, offset, 0)
-  if jax.eval_shape(one, q_first[0]) is None:
+  if not closed_form_fits(mask_mod, B=B, T=T, page_size=ps, max_pages=M):
     return None
+  one = lambda offset: closed_form_classes(mask_mod, B, T, M * ps, T, ps, offset, 0)
   classes = jax.vmap(one)(q_first)[:, :, 0, 0, :]  # [B (offsets), B|1, M]
   own = jnp.arange(B) if classes.shape[1] == B else jnp.zeros((B,), jnp.int32)
   return classes[jnp.arange(B), own] != EMPTY

@@ -1,6 +1,8 @@
 """The "blockwise" implementation: `_blockwise.forward` with a custom VJP.
 
-The forward saves only the output and the log-sum-exp [B, N, T]; the
+The forward saves only the output (in float32, the accumulator's: the backward's
+row term rowsum(out * d_out) must not see a 16-bit output's rounding) and the
+log-sum-exp [B, N, T]; the
 backward recomputes each block's weights from them (`_blockwise.backward`),
 so memory stays linear in T and S in both passes. The log-sum-exp is also
 returned (jax.nn's `return_residual`), without a gradient, as jax.nn's, and so is
@@ -47,11 +49,14 @@ def _attention(static, query, key, value, modifiers):
 
 
 def _forward(static, query, key, value, modifiers):
+  # out in float32 (the accumulator's): the residual that the backward's row term
+  # rowsum(out * d_out) reads, so a 16-bit out's rounding stays out of the gradients
   out, lse, max_logits = _blockwise.forward_with_max(
-      query, key, value, modifiers, static.layout, 0, 0, static.block_sizes)
+      query, key, value, modifiers, static.layout, 0, 0, static.block_sizes,
+      accumulator_out=True)
   if modifiers.sinks is not None:  # into out and lse; a sink is no key's logit
     out, lse = add_sinks(out, lse, modifiers.sinks, static.layout.out)
-  return (out, lse, max_logits), (query, key, value, modifiers, out, lse)
+  return (out.astype(value.dtype), lse, max_logits), (query, key, value, modifiers, out, lse)
 
 
 def _backward(static, residuals, cotangents):

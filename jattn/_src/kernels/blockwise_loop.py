@@ -83,10 +83,17 @@ def forward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, k
 
 
 def forward_with_max(query, key, value, modifiers: Modifiers, layout: Layout, q_offset,
-                     kv_offset, block_sizes: BlockSizes):
+                     kv_offset, block_sizes: BlockSizes, accumulator_out: bool = False):
   """`forward`, and also each row's largest visible logit, float32 [B, N, T]: the
-  online softmax's running max m (LARGE_NEGATIVE for a row that sees no key here)."""
-  return _forward(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)[:3]
+  online softmax's running max m (LARGE_NEGATIVE for a row that sees no key here).
+
+  accumulator_out: out in the accumulator's dtype (float32; float64 for float64
+  inputs), not value's: the backward's row term rowsum(out * d_out) taken from a
+  16-bit out is off by its rounding, which the gradients of score_mod's arrays
+  (sums over every logit) amplify.
+  """
+  return _forward(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes,
+                  accumulator_out)[:3]
 
 
 def forward_with_count(query, key, value, modifiers: Modifiers, layout: Layout, q_offset,
@@ -98,12 +105,18 @@ def forward_with_count(query, key, value, modifiers: Modifiers, layout: Layout, 
 
 
 def _forward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, kv_offset,
-             block_sizes: BlockSizes):
+             block_sizes: BlockSizes, accumulator_out: bool = False):
   """-> (out, lse, max logits, count); under jit what is not used is not computed."""
   g = _Grid(query, key, value, modifiers, layout, q_offset, kv_offset, block_sizes)
   classes = g.classes  # [nq, nk] or None: once, before the loops (not per query block)
   D = value.shape[layout.axis("D")]
   q_rows, k_cols, v_rows = g.q_rows, g.k_cols, g.v_rows
+  # With float arrays in score_mod, the residual out is P V with the float32 weights
+  # (not rounded to value's dtype): the backward's row term dO . out must equal its
+  # rowsum(P dP), or the gradients of those arrays (sums over every logit, whose
+  # d logits cancel along each row) keep the rounding's bias.
+  pv = g.acc if accumulator_out and g.float_consts else g.dtype
+  v_rows = v_rows.astype(pv)
 
   def q_block(count, i):
     qb = _at(q_rows, i)  # [B, K, R, H]
@@ -118,6 +131,8 @@ def _forward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, 
         # s [B, K, R, bk]: the scaled logits (qb carries the scale) plus bias
         s = jnp.einsum(f"BKRH,BKHS->{_LOGITS}", qb, _at(k_cols, j),
                        preferred_element_type=g.acc)
+        if g.logit_scale is not None:
+          s = s * g.logit_scale
         if g.bias is not None:
           s = s + g.rows(g.bias_block(i, j)).astype(g.acc)
         if g.has_score:
@@ -136,7 +151,7 @@ def _forward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, 
         l = l * alpha + p.sum(axis=-1)
         used = p if g.dropout is None else p * g.rows(g.dropout_multipliers(i, j))
         o = o * alpha[..., None] + jnp.einsum(
-            f"{_LOGITS},BKSD->BKRD", used.astype(g.dtype), _at(v_rows, j),
+            f"{_LOGITS},BKSD->BKRD", used.astype(pv), _at(v_rows, j),
             preferred_element_type=g.acc)
         return m_new, l, o, n + 1
       return g.skip_unless_segments_meet(body, i)
@@ -157,7 +172,7 @@ def _forward(query, key, value, modifiers: Modifiers, layout: Layout, q_offset, 
     seen = l > 0.0
     o = o / jnp.where(seen, l, 1.0)[..., None]
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
-    return count, (o.astype(g.dtype), lse, m)
+    return count, (o if accumulator_out else o.astype(g.dtype), lse, m)
 
   # int32 block indices, as the plan's bounds, also under jax_enable_x64
   count, (o, lse, m) = lax.scan(q_block, jnp.int32(0), jnp.arange(g.nq, dtype=jnp.int32))
@@ -220,6 +235,8 @@ def backward_with_score_grads(query, key, value, modifiers: Modifiers, layout: L
         up = (lambda x: x.astype(g.acc)) if g.has_score else (lambda x: x)
         s_t = jnp.einsum(f"BKSH,BKHR->{_LOGITS_T}", up(kb), up(_at(q_cols, i)),
                          preferred_element_type=g.acc)
+        if g.logit_scale is not None:
+          s_t = s_t * g.logit_scale
         if g.bias is not None:
           s_t = s_t + g.cols(g.bias_block(i, j)).astype(g.acc)
         if g.has_score:  # keys by rows -> the [B, K, G, bq, bk] block and back
@@ -266,6 +283,8 @@ def backward_with_score_grads(query, key, value, modifiers: Modifiers, layout: L
       carry = lax.fori_loop(n_full, n_unmodded, _gathered(step(True, False), order), carry)
       dq_t, d_bias, d_consts, dk, dv = lax.fori_loop(
           n_unmodded, n_some, _gathered(step(True), order), carry)
+    if g.logit_scale is not None:  # q did not carry the scale: d logits / d k = q scale
+      dk = dk * g.logit_scale
     return (dq_t, d_bias, d_consts), (dk, dv)
 
   d_bias0 = None if g.bias is None else jnp.zeros(g.bias.shape, g.acc)
@@ -376,7 +395,16 @@ class _Grid:
     self.kv_offset = jnp.asarray(kv_offset, jnp.int32)
     # The scale is folded into the queries once (for float32 exactly what
     # scaling each block of logits gives, to rounding), saving a pass per block.
-    query = (query.astype(self.acc) * jnp.asarray(scale, self.acc)).astype(query.dtype)
+    # A 16-bit q * scale is rounded (unless the scale is a power of two): a logit
+    # error that the gradients of score_mod's float arrays (sums over every logit)
+    # carry, so with those the logits are scaled in float32 instead (logit_scale).
+    mods = modifiers.mods
+    exact = (mods is not None and mods.has_score and jnp.finfo(query.dtype).bits < 32
+             and any(jnp.issubdtype(jnp.result_type(c), jnp.inexact)
+                     for c in mods.score_consts))
+    self.logit_scale = jnp.asarray(scale, self.acc) if exact else None
+    if not exact:
+      query = (query.astype(self.acc) * jnp.asarray(scale, self.acc)).astype(query.dtype)
     self._query = split_heads(query, ax("N"), self.K)
     self._key = _pad_axis(key, ax("S"), self.Sp)
     self._value = _pad_axis(value, ax("S"), self.Sp)

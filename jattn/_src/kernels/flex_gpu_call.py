@@ -19,4 +19,4 @@ def _kernels():
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`: the
 # kernels under jattn's kernel VJP (sinks after the forward); the forward gives out in the
 # caller's layout
-run = kernel_vjp.padded_kernel_run(_kernels, out_in_layout=True)
+run = kernel_vjp.padded_kernel_run(_kernels, out_in_layout=True, accumulator_out=True)

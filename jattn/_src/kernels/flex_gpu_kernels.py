@@ -242,11 +242,14 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, p: Plan, name: str):
 # ---------------------------------------------------------------- forward
 
 
-def forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """-> (out in the batched `layout`'s out order [.., T, .., D] in the value's dtype, lse
-  float32 [B, N, Tp], max logits float32 [B, N, Tp] when `p.max_logits`, else None); no
-  sinks. Tiles are read and written where they lie when `layout_specs.applies`, else
-  from zero-padded [B, N, Tp, Hp] copies."""
+def forward(p: Plan, layout: Layout, query, key, value, modifiers,
+            accumulator_out: bool = False):
+  """-> (out in the batched `layout`'s out order [.., T, .., D], lse float32 [B, N, Tp],
+  max logits float32 [B, N, Tp] when `p.max_logits`, else None); no sinks. out is in the
+  value's dtype, or float32 when accumulator_out and score_mod reads float arrays (the
+  VJP's residual for their gradients; P V then takes the float32 weights). Tiles are
+  read and written where they lie when `layout_specs.applies`, else from zero-padded
+  [B, N, Tp, Hp] copies."""
   tm, extras = _extras(p, modifiers, modifiers.mods)
   G = p.N // p.K
   bq = p.block_q
@@ -266,13 +269,15 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
     v_spec = pl.BlockSpec((None, None, p.S_padded, p.D_padded), lambda b, n, i: (b, n // G, 0, 0))
     o_spec = pl.BlockSpec((None, None, bq, p.D_padded), lambda b, n, i: (b, n, i, 0))
     o_shape = (p.B, p.N, p.T_padded, p.D_padded)
+  # only a call whose score_mod reads float arrays pays for a float32 out and P V
+  wide = accumulator_out and bool(p.score_reads or p.score_tables)
   row_stats = 2 if p.max_logits else 1  # lse, and the running max m when asked
   out_specs = [o_spec, *[pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))] * row_stats]
-  out_shape = [jax.ShapeDtypeStruct(o_shape, value.dtype),
+  out_shape = [jax.ShapeDtypeStruct(o_shape, jnp.float32 if wide else value.dtype),
                *[jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)] * row_stats]
   out, lse, *max_logits = _call(
-      functools.partial(_forward_kernel, p=p, tm=tm), (p.B, p.N, p.T_padded // bq),
-      [q_spec, k_spec, v_spec] + [_whole(x) for x in extras],
+      functools.partial(_forward_kernel, p=p, tm=tm, exact_pv=wide),
+      (p.B, p.N, p.T_padded // bq), [q_spec, k_spec, v_spec] + [_whole(x) for x in extras],
       out_specs, out_shape, p, "jattn_flex_gpu_fwd")(q, k, v, *extras)
   if not in_place:  # cut the padding, back to the caller's layout
     out = jnp.einsum(f"BNTD->{lay.out}", out[:, :, :p.T, :p.D])
@@ -285,7 +290,9 @@ _n = lambda b, n, i: n
 _i = lambda b, n, i: i
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods, exact_pv: bool = False):
+  """exact_pv: P V with the float32 weights (score_mod's float arrays get gradients: the
+  backward's row term dO . out must equal its rowsum(P dP); see blockwise_loop)."""
   outputs = 3 if p.max_logits else 2
   r = _Reads(p, tm, refs[:-outputs])
   o_ref, lse_ref, *max_ref = refs[-outputs:]
@@ -305,7 +312,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm: _Mods):
     probs = jnp.exp(s - shift[:, None])
     alpha = jnp.exp(m - m_next)
     v = v_ref[pl.ds(j * bk, bk), :]
-    acc = acc * alpha[:, None] + _dot(probs.astype(v.dtype), v, ((1,), (0,)), v.dtype)
+    pv = jnp.float32 if exact_pv else v.dtype
+    acc = acc * alpha[:, None] + _dot(probs.astype(pv), v.astype(pv), ((1,), (0,)), pv)
     return acc, m_next, alpha * l + jnp.sum(probs, axis=1)
 
   init = (jnp.zeros((bq, p.D_padded), jnp.float32), jnp.full((bq,), LARGE_NEGATIVE, jnp.float32),

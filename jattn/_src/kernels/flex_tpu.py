@@ -27,6 +27,7 @@ row of each table read at positions (`table_grads`); XLA sums them.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 
 import jax.numpy as jnp
@@ -42,6 +43,10 @@ LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this w
 # The block tables' SMEM budget (int32 entries, 256 KiB): past it the kernel runs
 # every tile (the same values, no skipping). Not measured against a TPU's SMEM.
 _MAX_TABLE_ENTRIES = 1 << 16
+# jax's TPU interpreter (a `pltpu.InterpretParams`: DMAs, semaphores, race detection,
+# uninitialised memory as NaN) for plans made in interpret mode, set by
+# `pallas_interpret(tpu=...)`; None: Pallas's generic interpreter (interpret=True).
+TPU_INTERPRETER = contextvars.ContextVar("jattn_tpu_interpreter", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +128,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
         round_up(T, block_q) // block_q) * (round_up(S, block_kv) // block_kv)
     skip = entries <= _MAX_TABLE_ENTRIES
   return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
-              window, has_mask, facts.has_score, bool(interpret), score_reads, skip,
+              window, has_mask, facts.has_score,
+              (TPU_INTERPRETER.get() or True) if interpret else False, score_reads, skip,
               facts.mask_rows, score_tables, bool(offsets), facts.table_reads,
               max_logits=bool(return_max_logits))

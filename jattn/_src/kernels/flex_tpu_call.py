@@ -32,7 +32,8 @@ def _backward(*args):
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`:
 # the kernels under jattn's kernel VJP (sinks after the forward)
 run = kernel_vjp.kernel_run(
-    lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods),
+    lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods,
+                                                       None, True),  # out in float32
     lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
         plan_, layout, q, k, v, modifiers.mods, out, lse, d_out))
 

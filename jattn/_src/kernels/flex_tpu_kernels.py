@@ -328,9 +328,13 @@ def _gated(tables, table_refs, b, n, i, j, step):
 # ---------------------------------------------------------------- forward kernel
 
 
-def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None):
+def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None,
+            accumulator_out: bool = False):
   """-> (out in the query's layout with D, lse float32 [B, N, T], max logits float32
   [B, N, T] when `plan_.max_logits`, else None); no sinks.
+
+  accumulator_out: out in float32, not the query's dtype (the VJP's residual: the
+  backward's row term must not see a 16-bit output's rounding).
 
   offsets: int32 [2], the global position of the first query and of the first key
   (traced, e.g. a ring step's), when the plan was made with `offsets=True`."""
@@ -353,7 +357,8 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None):
   out_specs = [pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
                *[rows] * row_stats]
   out, *stats = pl.pallas_call(
-      functools.partial(_forward_kernel, p=p, tm=tm, tables=tables),
+      functools.partial(_forward_kernel, p=p, tm=tm, tables=tables,
+                        exact_pv=accumulator_out and bool(p.score_reads or p.score_tables)),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(table_arrays) + len(smem) + len(scalars),
           grid=(p.B, p.N, Tp // bq, Sp // bk),
@@ -361,7 +366,8 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None):
           scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
                           pltpu.VMEM((bq, _LANES), jnp.float32),
                           pltpu.VMEM((bq, p.D), jnp.float32)]),
-      out_shape=[jax.ShapeDtypeStruct((p.B, p.N, Tp, p.D), query.dtype),
+      out_shape=[jax.ShapeDtypeStruct((p.B, p.N, Tp, p.D),
+                                      jnp.float32 if accumulator_out else query.dtype),
                  *[jax.ShapeDtypeStruct((p.B, p.N, Tp, _LANES), jnp.float32)] * row_stats],
       compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
       interpret=p.interpret,
@@ -401,7 +407,9 @@ def _split_refs(refs, tables, tm, p: Plan):
   return refs[:nt], refs[nt:start], (off[0], off[1]), refs[start + 1:]
 
 
-def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
+def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables, exact_pv: bool = False):
+  """exact_pv: P V with the float32 weights (score_mod's float arrays get gradients: the
+  backward's row term dO . out must equal its rowsum(P dP); see blockwise_loop)."""
   table_refs, smem_refs, origin, rest = _split_refs(refs, tables, tm, p)
   nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref = rest[:3]
@@ -419,7 +427,7 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
 
   _gated(tables, table_refs, b, n, i, j, lambda full: _forward_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full, row_refs,
-      origin))
+      origin, exact_pv))
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -433,7 +441,7 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables):
 
 
 def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full,
-                  row_refs, origin):
+                  row_refs, origin, exact_pv=False):
   s, _, _ = _tile_logits(p, tm, smem_refs, b, n, i, j, q_ref[...], k_ref[...], full=full,
                          row_refs=row_refs, origin=origin)
   m_prev, l_prev = m_sc[...], l_sc[...]  # [bq, 128]
@@ -446,7 +454,10 @@ def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc,
   l_sc[...] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
   m_sc[...] = m_next
   v = v_ref[...]
+  if exact_pv:  # float32 weights: the residual out that score_mod's gradients read
+    v = v.astype(jnp.float32)
   pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                           precision=jax.lax.Precision.HIGHEST if exact_pv else None,
                            preferred_element_type=jnp.float32)  # [bq, D]
   acc_sc[...] = acc_sc[...] * _lanes(alpha, p.D) + pv
 

@@ -32,15 +32,18 @@ def without_batch(x, layout):
   return x if layout.has_batch else x[0]
 
 
-def padded_kernel_run(kernels, *, out_in_layout: bool = False):
+def padded_kernel_run(kernels, *, out_in_layout: bool = False, accumulator_out: bool = False):
   """`kernel_run` for GPU kernels whose forward returns out [B, N, T', D'] and lse, max
   logits [B, N, T'] padded to their tiles (T' >= T, D' >= D): the padding is cut off and
   out moved to the caller's layout (out_in_layout: the forward gives out in the batched
   layout already, unpadded). kernels() -> the kernels' module (`forward`, `backward`),
-  imported on first use."""
+  imported on first use; accumulator_out: its forward takes that keyword (out in float32
+  where score_mod's arrays get gradients)."""
 
   def forward(p, layout: Layout, query, key, value, modifiers):
-    out, lse, max_logits = kernels().forward(p, layout, query, key, value, modifiers)
+    extra = dict(accumulator_out=True) if accumulator_out else {}
+    out, lse, max_logits = kernels().forward(p, layout, query, key, value, modifiers,
+                                             **extra)
     if not out_in_layout:
       out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
     max_logits = None if max_logits is None else max_logits[:, :, :p.T]
@@ -56,7 +59,11 @@ def kernel_run(forward, backward):
   arrays; none out of the lse and max logits).
 
   forward(plan, layout, query, key, value, modifiers) -> (out in `layout`, lse [B, N, T],
-  max logits [B, N, T] when `plan.max_logits`, else None);
+  max logits [B, N, T] when `plan.max_logits`, else None); out in float32 where the
+  kernel can write it (the residual of the backward's row term rowsum(out * d_out),
+  which a 16-bit out's rounding would put into the gradients of score_mod's arrays),
+  else in value's dtype: then the blockwise recomputation of those gradients
+  recomputes a float32 out first;
   backward(plan, layout, query, key, value, modifiers, out, lse, d_out) -> (dq, dk, dv,
   score_mod's consts' gradients: a tuple, None where the kernel gives none; or None for
   all: then they come from the blockwise backward);
@@ -71,7 +78,8 @@ def kernel_run(forward, backward):
     out, lse, max_logits = forward(plan, layout, query, key, value, modifiers)
     if modifiers.sinks is not None:  # into out and lse; a sink is no key's logit
       out, lse = add_sinks(out, lse, modifiers.sinks, batched(layout).out)
-    return (out, lse, max_logits), (query, key, value, modifiers, out, lse)
+    return (out.astype(value.dtype), lse, max_logits), (query, key, value, modifiers, out,
+                                                         lse)
 
   def attention_bwd(plan, layout, residuals, cotangents):
     # the lse and max logits carry no gradient (as jax.nn's lse, as blockwise)
@@ -86,8 +94,9 @@ def kernel_run(forward, backward):
       d_sinks = None if mods.sinks is None else sinks_grad(
           o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
       if d_consts is None and (plan.score_reads or plan.score_tables):
-        d_consts = blockwise_score_grads(plan, layout, query, key, value, modifiers, out, lse,
-                                         d_out)
+        d_consts = blockwise_score_grads(plan, layout, query, key, value, modifiers,
+                                         _accumulator_out(plan, layout, query, key, value,
+                                                          modifiers, out), lse, d_out)
       elif d_consts is None:  # no float array read: nothing to differentiate
         d_consts = (None,) * len(mods.score_consts)
       d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
@@ -105,6 +114,21 @@ def kernel_run(forward, backward):
     return out, None, without_batch(lse, layout), max_logits
 
   return run
+
+
+def _accumulator_out(plan, layout: Layout, query, key, value, modifiers, out):
+  """out in float32: as given, or, from a kernel that writes a 16-bit out
+  ("flex_mgpu"), recomputed by the blockwise forward (sinks added), so that the
+  row term rowsum(out * d_out) of score_mod's gradients carries no 16-bit rounding."""
+  if jnp.finfo(out.dtype).bits >= 32:
+    return out
+  q, k, v = (with_batch(x, layout) for x in (query, key, value))
+  out, lse, _ = blockwise_loop.forward_with_max(
+      q, k, v, modifiers, batched(layout), 0, 0, BlockSizes(plan.block_q, plan.block_kv),
+      accumulator_out=True)
+  if modifiers.sinks is not None:
+    out, _ = add_sinks(out, lse, modifiers.sinks, batched(layout).out)
+  return without_batch(out, layout)
 
 
 def blockwise_score_grads(plan, layout: Layout, query, key, value, modifiers, out, lse, d_out,

@@ -39,6 +39,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, *,
   force_fp32_for_softmax: jattn's softmax is always float32.
 
   A row that may attend to no key returns zeros (flax's averages the values).
+  return_residual / return_max_logits (keywords of `jattn.dot_product_attention`)
+  return (out, lse and/or max logits [batch..., T, N]), not flax's single array.
   The einsum hooks (`einsum_dot_general`, `qk_attn_weights_einsum`,
   `attn_weights_value_einsum`) raise a ValueError: jattn does its own products.
 
@@ -88,8 +90,10 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, *,
         query, key, value, bias, mask, is_causal=is_causal, dropout_rate=dropout,
         dropout_rng=dropout_rng if dropout else None, broadcast_dropout=broadcast_dropout,
         return_weights=module is not None, **kwargs)
+  # out, then what was asked: the weights (module), lse (return_residual), max logits
+  out, *extras = out if isinstance(out, tuple) else (out,)
   if module is not None:
-    out, weights = out
+    weights = extras.pop(0)
     weights = jnp.reshape(weights, batch + weights.shape[-3:])
     if isinstance(module, nnx.Module):
       module.sow(nnx.Intermediate, "attention_weights", weights)
@@ -97,4 +101,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, *,
       module.sow("intermediates", "attention_weights", weights)
     else:
       raise TypeError(f"module must be a flax nnx or linen Module, got {type(module).__name__}")
-  return jnp.reshape(out, batch + out.shape[-3:])
+  out = jnp.reshape(out, batch + out.shape[-3:])
+  if not extras:
+    return out
+  # lse / max logits [batch..., T, N], like out without D
+  return (out, *(jnp.reshape(x, batch + x.shape[-2:]) for x in extras))

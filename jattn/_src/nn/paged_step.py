@@ -32,10 +32,10 @@ def check_call(*, B: int, T: int, new_keys: int, cache, mask, attention_fn, sow_
                      f"block_table {tuple(cache.block_table.shape)}")
   refused = {"mask": mask is not None, "attention_fn": attention_fn is not None,
              "sow_weights": bool(sow_weights), "dropout": dropout}
-  if sow_max_logits:  # decode_attention splits the keys over pages and returns no max
-    raise ValueError("sow_max_logits: decoding over a paged cache returns no max logits "
-                     "(jattn.decode_attention has no such output); sow them while "
-                     "training, or decode with the dense cache")
+  if sow_max_logits:
+    raise ValueError("sow_max_logits: a module decoding over a paged cache sows no max "
+                     "logits (call jattn.decode_attention(..., return_max_logits=True) "
+                     "yourself); sow them while training, or decode with the dense cache")
   for name, given in refused.items():
     if given:
       raise ValueError(f"{name}: decoding over a paged cache takes no {name} (a dense mask "
@@ -52,6 +52,8 @@ def step(cache, query, key, value, lengths, *, layout: str, is_causal: bool, mas
   key, value = jnp.einsum(kv_in, key), jnp.einsum(kv_in, value)
   new = _kv_cache.check_lengths(lengths, key.shape[0], key.shape[1])
   cache = _paged.append(cache, key, value, new)
-  out = decode_attention(query, cache, query_lengths=new, is_causal=is_causal,
+  # the cache keeps its own dtype (append casts the keys and values to it); the query
+  # joins it, as decode_attention takes one dtype
+  out = decode_attention(query.astype(cache.key_pages.dtype), cache, query_lengths=new, is_causal=is_causal,
                          mask_mod=mask_mod, score_mod=score_mod, sinks=sinks)
   return cache, jnp.einsum(_OUT[layout], out.astype(query.dtype))
