@@ -184,6 +184,11 @@ def _tpu_devices(topology: str) -> tuple:
   try:
     return tuple(topologies.get_topology_desc(topology, "tpu").devices)
   except Exception as error:  # libtpu's own message names the bad part
+    if "lockfile" in str(error):
+      raise RuntimeError(
+          "libtpu is loaded by another process on this host and holds its lock; for "
+          "compile-only devices set ALLOW_MULTIPLE_LIBTPU_LOAD=1 before jax loads libtpu "
+          f"({error})") from error
     raise ValueError(f"libtpu gives no compile-only devices for {topology!r}: {error}") from error
 
 

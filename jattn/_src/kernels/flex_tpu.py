@@ -108,9 +108,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
             f"(the backward returns at most {LANES} read gradients per tile)")
   block_q = min(block_q or 128, round_up(T, 8))
   block_kv = min(block_kv or 512, round_up(S, LANES))
-  if score_tables and facts.table_width > block_kv:
+  if score_tables and facts.table_width > LANES:
     return (f"score_mod: a table of width {facts.table_width} read at positions; the kernel "
-            f"gathers from at most block_kv = {block_kv} entries")
+            f"gathers within one vector register, from at most {LANES} entries")
   if block_q % 8 or block_kv % LANES:
     return (f"tiles block_q = {block_q}, block_kv = {block_kv}: block_q must be a "
             "multiple of 8 and block_kv of 128")
