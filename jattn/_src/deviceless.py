@@ -143,6 +143,23 @@ def report(target: str, compiled) -> CompileReport:
   return CompileReport(target, platform_of(target), kernels, tuple(calls), memory, limits)
 
 
+# The kernels of each implementation, by name prefix, as the compiled program names them.
+KERNEL_PREFIXES = {"flex_tpu": ("jattn_flex_tpu_",), "splash": ("splash_mha_",)}
+
+
+def check_kernels(report: CompileReport, implementation: str) -> None:
+  """A RuntimeError unless the compiled program runs `implementation`'s kernels (and no
+  other jattn or splash kernel): the plan and the compiled program must agree."""
+  ours = tuple(p for ps in KERNEL_PREFIXES.values() for p in ps)
+  found = [k for k in report.kernels if k.startswith(ours)]
+  wanted = KERNEL_PREFIXES.get(implementation, ())
+  stray = [k for k in found if not k.startswith(wanted)] if wanted else found
+  if (wanted and not found) or stray:
+    raise RuntimeError(
+        f"the program compiled for {report.target} runs the kernels {list(report.kernels)}, "
+        f"where jattn's plan chose {implementation!r}: a bug in jattn, please report it")
+
+
 def _vmem_limit(line: str) -> int | None:
   """A Mosaic call's scoped VMEM limit from its backend config, if it sets one."""
   start = line.find("backend_config=")

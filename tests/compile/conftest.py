@@ -18,8 +18,7 @@ _HERE = __file__.rsplit("/", 1)[0]
 def pytest_collection_modifyitems(config, items):
   missing = deviceless.tpu_available()
   for item in items:
-    if not str(item.path).startswith(_HERE):
-      continue
-    item.add_marker(pytest.mark.compile)
-    if missing and "cuda" not in item.path.name:
-      item.add_marker(pytest.mark.skip(reason=missing))
+    if str(item.path).startswith(_HERE):
+      item.add_marker(pytest.mark.compile)
+      if missing and "cuda" not in item.path.name:
+        item.add_marker(pytest.mark.skip(reason=missing))
