@@ -37,17 +37,18 @@ def test_each_implementation_compiles_forward_and_gradient(target, implementatio
   case = Case(T=1024, masks=("causal",))
   chosen, report = compile_case(case, implementation, target)
   assert chosen is not None, report
-  if chosen in LINEAR:
-    assert report.memory["temp"] < ts_bytes(case), (chosen, report)
 
 
-@pytest.mark.parametrize("implementation", ["splash", "flex_tpu", "blockwise", "xla"])
-def test_no_TS_buffer_on_the_linear_paths(implementation):
+@pytest.mark.parametrize("target, implementation", [
+    ("v5e", "splash"), ("v5e", "flex_tpu"), ("v5e", "blockwise"), ("v5e", "xla"),
+    ("v6e", "flex_tpu"), ("v5p", "splash"), ("tpu7x", "flex_tpu")])
+def test_no_TS_buffer_on_the_linear_paths(target, implementation):
   """T = S = 4096, forward (and gradient but for "xla"): the kernels and blockwise hold no
-  [T, S] float32 buffer in HBM; "xla" holds several, so the check tells them apart (at
-  T = S = 1024 XLA:TPU keeps the dense logits out of the temporary memory it reports)."""
+  [T, S] float32 buffer in HBM; "xla" holds several, so the check tells them apart. (At
+  T = S = 1024 it cannot: XLA:TPU reports no temporary memory for the dense forward, and
+  a gradient's float32 dq, dk, dv for N = 4, H = 128 outweigh one [T, S].)"""
   case = Case(T=4096, masks=("causal",))
-  chosen, report = compile_case(case, implementation, "v5e", grad=implementation != "xla")
+  chosen, report = compile_case(case, implementation, target, grad=implementation != "xla")
   assert chosen == implementation, report
   if chosen in LINEAR:
     assert report.memory["temp"] < ts_bytes(case), report
@@ -68,7 +69,6 @@ def test_flex_tpu_compiles_every_mod(target, mask_mod, score_mod):
               sinks=mask_mod == "document")
   chosen, report = compile_case(case, "flex_tpu", target)
   assert chosen == "flex_tpu", report
-  assert report.memory["temp"] < ts_bytes(case), report
 
 
 # ---------------------------------------------------------------- built-in masks
