@@ -144,7 +144,7 @@ def report(target: str, compiled) -> CompileReport:
 
 
 # The kernels of each implementation, by name prefix, as the compiled program names them.
-KERNEL_PREFIXES = {"flex_tpu": ("jattn_flex_tpu_",), "splash": ("splash_mha_",)}
+KERNEL_PREFIXES = {"flex_tpu": ("jattn_flex_tpu_",), "splash": ("splash_mha_", "splash_mqa_")}
 
 
 def check_kernels(report: CompileReport, implementation: str) -> None:

@@ -25,9 +25,10 @@ BUILT_IN_MASKS = ("causal", "window", "lengths", "segments")
 MASK_MODS = ("causal", "window", "chunked", "prefix_lm", "document", "and", "or", "hand")
 SCORE_MODS = ("soft_cap", "alibi", "relative_bias", "hand")
 
-# The Mosaic kernels of each TPU implementation, forward and backward, by name prefix.
-KERNELS = {"flex_tpu": (("jattn_flex_tpu_fwd",), ("jattn_flex_tpu_dq", "jattn_flex_tpu_dkv")),
-           "splash": (("splash_mha_fwd",), ("splash_mha_dq", "splash_mha_dkv"))}
+# The Mosaic kernels of each TPU implementation: their name prefixes (splash names its
+# grouped-head kernels splash_mqa_*), then the forward's and the backward's kernels.
+FAMILIES = {"flex_tpu": ("jattn_flex_tpu_",), "splash": ("splash_mha_", "splash_mqa_")}
+KERNELS = {"flex_tpu": (("fwd",), ("dq", "dkv")), "splash": (("fwd",), ("dq", "dkv"))}
 # the paths whose memory is linear in T and S: no [T, S] temporary
 LINEAR = ("flex_tpu", "splash", "blockwise")
 
@@ -148,13 +149,15 @@ def compile_case(case: Case, implementation, target: str, *, grad: bool = True):
 
 def check_kernels(report, chosen: str, grad: bool):
   """The compiled program runs the kernels of `chosen` (explain's choice) and no other."""
-  forward, backward = KERNELS.get(chosen, ((), ()))
-  wanted = forward + backward * grad
-  found = [k for k in report.kernels if k.startswith(("jattn_", "splash_"))]
-  for prefix in wanted:
-    assert any(k.startswith(prefix) for k in found), (chosen, prefix, report.kernels)
-  stray = [k for k in found if not k.startswith(wanted)] if wanted else found
+  every = tuple(p for family in FAMILIES.values() for p in family)
+  found = [k for k in report.kernels if k.startswith(every)]
+  family = FAMILIES.get(chosen, ())
+  stray = [k for k in found if not family or not k.startswith(family)]
   assert not stray, (chosen, stray, report.kernels)
+  forward, backward = KERNELS.get(chosen, ((), ()))
+  parts = [k[len(p):] for k in found for p in family if k.startswith(p)]
+  for part in forward + backward * grad:
+    assert any(x.startswith(part) for x in parts), (chosen, part, report.kernels)
 
 
 def ts_bytes(case: Case) -> int:
