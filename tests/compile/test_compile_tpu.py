@@ -154,7 +154,8 @@ _EVERYTHING = [
     for implementation in IMPLEMENTATIONS
     for dtype in ("bfloat16", "float16", "float32")
     for H in (64, 128, 256)
-    for T, S, N, K in ((1024, 1024, 4, 4), (512, 1536, 4, 4), (1000, 1000, 4, 4), (1024, 1024, 8, 2))
+    for T, S, N, K in ((1024, 1024, 4, 4), (512, 1536, 4, 4), (1000, 1000, 4, 4),
+                       (1024, 1024, 8, 2))
     for masks, mask_mod, score_mod in (
         [((m,), None, None) for m in BUILT_IN_MASKS]
         + [((), m, None) for m in MASK_MODS] + [((), None, s) for s in SCORE_MODS])]

@@ -51,7 +51,8 @@ class Case:
 
   @property
   def sizes(self):
-    return self.T, self.T if self.S is None else self.S, self.N, self.N if self.K is None else self.K
+    S, K = self.T if self.S is None else self.S, self.N if self.K is None else self.K
+    return self.T, S, self.N, K
 
   def __str__(self):
     T, S, N, K = self.sizes
