@@ -17,6 +17,10 @@ from tests.compile_flags import xla_flags  # noqa: E402
 
 os.environ["XLA_FLAGS"] = xla_flags()  # before jax is imported and makes its CPU backend
 
+# libtpu (the compile tier's compile-only TPU devices, tests/compile) takes a host-wide
+# lock when loaded; there is no TPU to guard here, and both xdist workers load it.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")

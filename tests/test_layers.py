@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The rank of each part of jattn._src; a module may import its own rank or below.
 RANK = {"compat": 0, "core": 1, "masks": 2, "kernels": 3, "impl": 4, "dispatch": 5,
-        "call": 6, "dot_product_attention": 7, "explain": 7, "lowering": 7, "decode": 7,
+        "call": 6, "dot_product_attention": 7, "explain": 7, "lowering": 7, "deviceless": 7, "deviceless_cuda": 7, "decode": 7,
         "parallel": 7, "nn": 8}
 PUBLIC = 9  # jattn/*.py, above everything in _src
 

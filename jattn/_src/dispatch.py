@@ -111,6 +111,9 @@ class Explanation:
   """
 
   choices: dict
+  # explain(..., compile=target): what the compiler made of the call for that target
+  # (a `jattn._src.deviceless.CompileReport`), else None
+  compiled: object = None
 
   def implementation(self, platform: str) -> str | None:
     return self.choices[platform].implementation
@@ -131,6 +134,8 @@ class Explanation:
           lines.append(f"    why: {choice.why}")
         for name, reason in choice.passed_over:
           lines.append(f"    not {name}: {reason}")
+    if self.compiled is not None:
+      lines.append(str(self.compiled))
     return "\n".join(lines)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jattn._src import dispatch
+from jattn._src import deviceless, dispatch
 from jattn._src.dispatch import Explanation
 from jattn._src.call import make_call
 from jattn._src.dot_product_attention import check_implementation, dot_product_attention
@@ -15,7 +15,8 @@ from jattn._src.parallel.context_parallel import context_parallel_plan
 from jattn._src.parallel.plan import ContextParallelPlan
 
 def explain(query, key, value, bias=None, mask=None, *, implementation=None,
-            block_sizes=None, mesh=None, **kwargs) -> Explanation | ContextParallelPlan:
+            block_sizes=None, mesh=None, compile: str | None = None,
+            **kwargs) -> Explanation | ContextParallelPlan:
   """What `dot_product_attention` with these arguments runs on each platform, and why.
 
   Takes the arguments of `jattn.dot_product_attention` (arrays or
@@ -38,6 +39,14 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
   path, the bytes each device sends and the memory it holds, or why it refused;
   the chunk order of the load balance, and which strategy strategy=None chooses.
 
+  compile="v5e" (or "v6e", "v5p", "tpu7x", "h100", "h200"): the forward call is
+  also compiled for that accelerator from this host, deviceless (libtpu for a TPU,
+  `pip install "jax[tpu]"`; the CUDA plugin for a GPU), never run; the report's
+  `compiled` (a `CompileReport`, printed after the choices) names the kernels in
+  the compiled program and its memory (`memory_analysis()`: argument, output,
+  temporary bytes). A compiled program whose kernels are not those of the
+  implementation chosen for the target's platform raises a RuntimeError (a bug).
+
   Examples:
     >>> import jax, jax.numpy as jnp, jattn
     >>> q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)   # [B, T, N, H]
@@ -48,6 +57,11 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
     >>> report.reasons("tpu")["splash"]
     'score_mod Alibi is not mods.soft_cap with a Python-number cap'
   """
+  if compile is not None and (mesh is not None or implementation in ("ring",
+                                                                     "context_parallel")):
+    raise ValueError("explain: compile= takes a call on one device; with mesh= or "
+                     f"implementation={implementation!r} compile the sharded program "
+                     "with jattn._src.deviceless.compile_for")
   if mesh is not None:
     return context_parallel_plan(query, key, value, bias, mask, mesh=mesh,
                                  implementation=implementation, block_sizes=block_sizes,
@@ -74,7 +88,28 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
   choices = {}
   for platform in PLATFORMS:
     choices[platform] = dispatch.choose(call, implementation, platform)
-  return Explanation(choices)
+  if compile is None:
+    return Explanation(choices)
+  return Explanation(choices, _compiled(compile, choices, query, key, value, bias, mask,
+                                        implementation, block_sizes, kwargs))
+
+
+def _compiled(target, choices, query, key, value, bias, mask, implementation, block_sizes,
+              kwargs):
+  """The forward call compiled for `target`, checked against the platform's choice."""
+  choice = choices[deviceless.platform_of(target)]
+  if choice.implementation is None:
+    raise ValueError(f"explain: compile={target!r}: {choice.error}")
+  arrays = {name: x for name, x in kwargs.items() if _all_arrays(x)}
+  static = {name: x for name, x in kwargs.items() if name not in arrays}
+
+  def call(query, key, value, bias, mask, arrays):
+    return dot_product_attention(query, key, value, bias, mask, implementation=implementation,
+                                 block_sizes=block_sizes, **static, **arrays)
+
+  _, report = deviceless.compile_for(target, call, query, key, value, bias, mask, arrays)
+  deviceless.check_kernels(report, choice.implementation)
+  return report
 
 
 def _explain_ring(implementation, query, key, value, bias, mask, block_sizes,

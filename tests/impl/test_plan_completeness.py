@@ -26,6 +26,7 @@ from jax import export
 
 import jattn
 from jattn import mods
+from jattn._src import deviceless
 from jattn._src.impl.registry import CPU_BLOCKWISE_FROM
 from tests.helpers import hypothesis_tiers
 from tests.reference_grads import reference_mods_vjp
@@ -300,3 +301,31 @@ def test_sinks_and_a_broadcast_bias_give_finite_gradients():
                               d_score=np.ones_like, sinks=kw["sinks"])[1:]
     for name, g, w in zip(("d_query", "d_key", "d_value"), got, want):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"{implementation} {name}")
+
+
+# ---------------------------------------------------------------- compiled, not only exported
+
+_TPU_KERNELS = {"splash": ("splash_mha_", "splash_mqa_"), "flex_tpu": ("jattn_flex_tpu_",)}
+
+
+def compiles_for_tpu(spec):
+  """The drawn call's jit(grad) compiled by libtpu for a v5e from this host (the compile
+  tier): what the TPU plan accepted compiles, with the kernel `jattn.explain` names."""
+  qkv, d_out, kw = build(spec)
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in qkv]
+  chosen = jattn.explain(*shapes, **{n: x for n, x in kw.items() if x is not None}
+                         ).implementation("tpu")
+  fn = jax.grad(lambda *a: _loss(kw, None, d_out)(*a)[0], (0, 1, 2))
+  _, report = deviceless.compile_for("v5e", fn, *shapes)
+  ours = [k for k in report.kernels if k.startswith(sum(_TPU_KERNELS.values(), ()))]
+  if chosen in _TPU_KERNELS:
+    assert ours and all(k.startswith(_TPU_KERNELS[chosen]) for k in ours), (chosen, report)
+  else:
+    assert not ours, (chosen, report)
+
+
+_NEEDS_LIBTPU = pytest.mark.skipif(deviceless.tpu_available() is not None,
+                                   reason=str(deviceless.tpu_available()))
+test_drawn_calls_compile_for_tpu, test_drawn_calls_compile_for_tpu_thorough = (
+    _NEEDS_LIBTPU(pytest.mark.compile(test))
+    for test in hypothesis_tiers(compiles_for_tpu, calls()))

@@ -211,3 +211,27 @@ def test_default_on_accelerators_switches_to_blockwise_when_logits_are_large():
   assert jattn.explain(big, big, big, **window).implementation("tpu") == "blockwise"
   assert jattn.explain(big, big, big, **window).implementation("cuda") == "blockwise"
   assert jattn.explain(small, small, small, **window).implementation("tpu") == "xla"
+
+
+def test_splash_bfloat16_values_and_gradients_through_the_default_precision_wrapper():
+  """bfloat16 splash runs inside a custom VJP that traces its kernels at the default matmul
+  precision (Mosaic compiles no "highest" dot of bfloat16 operands, the compile tier
+  found; this suite runs at "highest"): out and d q/k/v, with segment ids (integer inputs
+  of the VJP) and sinks, grouped heads, against "xla" on the float32 upcast."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in _arrays(4, 2, "BTNH"))
+  kw = dict(q_segment_ids=IDS, kv_segment_ids=IDS, sinks=jnp.array([0.5, -1.0, 2.0, 0.0]))
+
+  def loss(impl):
+    def fn(q, k, v):
+      out = jattn.dot_product_attention(q, k, v, implementation=impl, **kw)
+      w = jnp.cos(jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape))
+      return jnp.sum(out.astype(jnp.float32) * w), out
+    return jax.value_and_grad(fn, argnums=(0, 1, 2), has_aux=True)
+  with pallas_interpret():
+    (_, out), grads = loss("splash")(q, k, v)
+  (_, ref), ref_grads = loss("xla")(*(x.astype(jnp.float32) for x in (q, k, v)))
+  for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+    assert g.dtype == jnp.bfloat16, name
+    r = np.asarray(r)
+    np.testing.assert_allclose(np.asarray(g, np.float32), r, rtol=3e-2,
+                               atol=3e-2 * np.abs(r).max(), err_msg=name)

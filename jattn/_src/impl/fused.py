@@ -41,6 +41,40 @@ def _splash_kernel(plan: SplashPlan, T: int, S: int, heads: int, mqa: bool,
 
 def _run_splash(plan, q, k, v, q_ids, kv_ids, sinks, save_residuals):
   """q [B, N, T, H], k/v [B, K, S, H] -> out [B, N, T, H] (and lse [B, N, T])."""
+  run = functools.partial(_run_splash_kernel, plan, save_residuals=save_residuals)
+  if q.dtype != jnp.bfloat16:
+    return run(q, k, v, q_ids, kv_ids, sinks)
+  return _at_default_precision(run, q, k, v, q_ids, kv_ids, sinks)
+
+
+def _at_default_precision(fn, *args):
+  """fn(*args) with its forward and its backward traced at the default matmul precision.
+
+  Mosaic compiles no "high" or "highest" dot of bfloat16 operands ("Bad lhs type", found
+  by the compile tier), which a jax_default_matmul_precision of "high" or "highest" asks
+  of every dot in splash's kernels; for bfloat16 operands the default is exact (bf16
+  products, float32 sums). A custom VJP, so that the backward, traced when the gradient
+  is taken and outside this call, is traced under it too."""
+  default = lambda: jax.default_matmul_precision("default")
+
+  @jax.custom_vjp
+  def call(*args):
+    with default():
+      return fn(*args)
+
+  def forward(*args):
+    with default():
+      return jax.vjp(fn, *args)
+
+  def backward(pullback, cotangent):
+    with default():
+      return pullback(cotangent)
+
+  call.defvjp(forward, backward)
+  return call(*args)
+
+
+def _run_splash_kernel(plan, q, k, v, q_ids, kv_ids, sinks, *, save_residuals):
   sk = compat.load("splash_kernel")
   B, N, T, H = q.shape
   K, S = k.shape[1], k.shape[2]

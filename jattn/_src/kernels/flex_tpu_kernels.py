@@ -29,6 +29,18 @@ if TYPE_CHECKING:
 
 _LANES = LANES
 
+
+def _mxu(a, b, contract):
+  """a . b over the axes `contract` ((a's,), (b's,)), float32 on the MXU.
+
+  The precision is named, not left to jax_default_matmul_precision: Mosaic compiles no
+  "high" or "highest" dot of bfloat16 operands ("Bad lhs type", found by the compile
+  tier), and for them the default is exact anyway (bf16 products, float32 sums).
+  float32 operands keep the config's precision."""
+  precision = jax.lax.Precision.DEFAULT if a.dtype == jnp.bfloat16 else None
+  return jax.lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+
 # ---------------------------------------------------------------- shared pieces
 
 
@@ -64,8 +76,9 @@ def _tile_mods(mods, p: Plan, origin=(0, 0)):
 
 
 def _table_arrays(p: Plan, score_consts):
-  """A table x [W] or [R, W] -> [R, 8, block_kv] (rows along the sublanes, zero-padded
-  to the tile's width), all in VMEM, for a gather along the lanes."""
+  """A table x [W] or [R, W], W <= block_kv -> [R, 8, block_kv] (rows along the sublanes,
+  zero-padded to the tile's width), all in VMEM, for a gather along the lanes (128 lanes
+  at a time: `_table_reader`)."""
   arrays = []
   for ci in p.score_tables:
     x = jnp.asarray(score_consts[ci])
@@ -187,7 +200,7 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
   tile = (bq, bk)
   mask_refs, score_refs = smem_refs[:len(tm.mask_meta)], smem_refs[len(tm.mask_meta):]
   # [bq, bk] = q k^T, float32 on the MXU
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  s = _mxu(q, k, ((1,), (1,)))
   s = s * p.scale
   t_loc = i * bq + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
   s_loc = j * bk + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
@@ -455,10 +468,11 @@ def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc,
   m_sc[...] = m_next
   v = v_ref[...]
   if exact_pv:  # float32 weights: the residual out that score_mod's gradients read
-    v = v.astype(jnp.float32)
-  pv = jax.lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                           precision=jax.lax.Precision.HIGHEST if exact_pv else None,
-                           preferred_element_type=jnp.float32)  # [bq, D]
+    pv = jax.lax.dot_general(probs, v.astype(jnp.float32), (((1,), (0,)), ((), ())),
+                             precision=jax.lax.Precision.HIGHEST,
+                             preferred_element_type=jnp.float32)  # [bq, D]
+  else:
+    pv = _mxu(probs.astype(v.dtype), v, ((1,), (0,)))  # [bq, D]
   acc_sc[...] = acc_sc[...] * _lanes(alpha, p.D) + pv
 
 
@@ -611,7 +625,7 @@ def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grad
   if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
     probs = jnp.where(keep, probs, 0.0)
   # dP [bq, bk] = dO v^T
-  dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  dp = _mxu(do, v, ((1,), (1,)))
   ds = probs * (dp - _lanes(delta, p.block_kv))
   if read_grads:
     d_x, *rest = d_score(ds)
@@ -677,8 +691,7 @@ def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref,
     dr_ref[...] = d_tile
     fr_ref[...] = f_tile
   # dQ [bq, H] += dS k
-  dq_sc[...] += jax.lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+  dq_sc[...] += _mxu(ds.astype(k.dtype), k, ((1,), (0,)))
 
 
 def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
@@ -712,7 +725,5 @@ def _dkv_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref
                           lse_ref[...], delta_ref[...], full=full, row_refs=row_refs,
                           origin=origin)
   # dV [bk, D] += P^T dO ; dK [bk, H] += dS^T q
-  dv_sc[...] += jax.lax.dot_general(probs.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-  dk_sc[...] += jax.lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+  dv_sc[...] += _mxu(probs.astype(do.dtype), do, ((0,), (0,)))
+  dk_sc[...] += _mxu(ds.astype(q.dtype), q, ((0,), (0,)))

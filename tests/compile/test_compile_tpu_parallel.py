@@ -1,0 +1,94 @@
+"""The decode path on every TPU generation, and the sequence over a slice: the
+context-parallel strategies and the Transformer on a ("data", "model", "seq") mesh of a
+2x2 v5e, compiled by libtpu from this CPU. Letters: B T S N K G H D F.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jattn
+from jattn import mods, sharding
+from jattn._src import deviceless
+from jattn.transformer import Transformer, TransformerConfig
+from tests.compile.tpu_programs import GENERATIONS
+
+SLICE = "v5e=2x2"
+MOSAIC = ("jattn_flex_tpu_", "splash_mha_", "splash_mqa_")  # the TPU kernels, by name
+# the collective each strategy's compiled program moves the sequence with
+COLLECTIVE = {"ring": "collective-permute", "all_gather": "all-gather", "ulysses": "all-to-all"}
+
+
+@pytest.mark.parametrize("target", GENERATIONS)
+def test_decode_split_compiles_on_every_generation(target):
+  """decode_attention's "split" (what explain_decode names for "tpu"), causal, a sliding
+  window mod and ALiBi, grouped heads, over a paged cache of bfloat16 pages."""
+  B, T, N, K, H = 4, 1, 8, 2, 128
+  cache = jax.eval_shape(lambda: jattn.paged.init_cache(
+      B, 1024, num_kv_heads=K, head_dim=H, page_size=64, num_pages=48, dtype=jnp.bfloat16))
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+  slopes = jax.ShapeDtypeStruct((N,), jnp.float32)
+  kw = lambda slopes: dict(is_causal=True, mask_mod=mods.sliding_window(1024),
+                           score_mod=mods.alibi(slopes))
+  assert jattn.explain_decode(q, cache, **kw(jnp.ones(N))).implementation("tpu") == "split"
+  _, report = deviceless.compile_for(
+      target, lambda q, cache, slopes: jattn.decode_attention(q, cache, **kw(slopes)),
+      q, cache, slopes)
+  assert not report.kernels, report  # pure JAX: XLA's own fusions
+
+
+def _on(mesh, shape, dtype, spec):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("strategy", COLLECTIVE)
+def test_context_parallel_strategies_compile_on_a_slice(strategy):
+  """Forward and gradient, causal, bfloat16, the sequence over the 4 chips of a 2x2 v5e:
+  the strategy's collective and a Mosaic kernel per device in the compiled program."""
+  mesh = deviceless.mesh(SLICE, {"seq": 4})
+  B, T, N, H = 1, 1024, 8, 128
+  q = _on(mesh, (B, T, N, H), jnp.bfloat16, P(None, "seq"))
+
+  def loss(q, k, v):
+    out = jattn.context_parallel_attention(q, k, v, mesh=mesh, strategy=strategy,
+                                           is_causal=True)
+    return jnp.sum(out.astype(jnp.float32))
+
+  compiled, report = deviceless.compile_for(SLICE, jax.value_and_grad(loss, (0, 1, 2)), q, q, q)
+  assert COLLECTIVE[strategy] in compiled.as_text(), report
+  assert any(k.startswith(MOSAIC) for k in report.kernels), report
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "found by this tier, not fixed: implementation='context_parallel' reads the mesh set by "
+    "jax.set_mesh, and under a mesh of compile-only devices every eager jnp op fails "
+    "('Executable' object has no attribute 'local_devices'); the context-parallel plan "
+    "computes its static block classes eagerly (parallel/block_work.py)"))
+def test_transformer_train_step_compiles_on_the_data_model_seq_mesh():
+  """The Transformer's loss and gradient on a ("data", "model", "seq") = (1, 2, 2) mesh of
+  a 2x2 v5e: parameters and batch sharded by jattn.sharding's rules, attention
+  context-parallel over "seq"."""
+  mesh = deviceless.mesh(SLICE, {"data": 1, "model": 2, "seq": 2})
+  config = TransformerConfig(vocab_size=128, max_len=1024, num_layers=1, features=256,
+                             num_heads=4, mlp_features=512, position_encoding="rope",
+                             implementation="context_parallel", dtype=jnp.bfloat16)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))),
+                               nnx.Param)
+  shardings = sharding.state_shardings(params, mesh)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        params, shardings)
+  tokens = {"tokens": jax.ShapeDtypeStruct((2, 1024), jnp.int32)}
+  tokens = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tokens, sharding.batch_shardings(tokens, mesh))
+
+  def loss(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["tokens"])
+    return jnp.mean(logits.astype(jnp.float32))
+
+  compiled, report = deviceless.compile_for(SLICE, jax.value_and_grad(loss), params, tokens,
+                                            mesh=mesh)
+  text = compiled.as_text()
+  assert any(c in text for c in COLLECTIVE.values()), report
+  assert any(k.startswith(MOSAIC) for k in report.kernels), report
