@@ -1,17 +1,23 @@
 """Compile for an NVIDIA H100 or H200 from a host with no GPU: compile-only CUDA devices.
 
-Recipe (Python 3.12, `pip install "jax[cuda13]"`, no GPU needed):
+Recipe (Python 3.12, `pip install "jax[cuda13]"`, `JAX_PLATFORMS=cpu`, no GPU needed):
 
     import jax, jax.numpy as jnp
     from jattn._src import deviceless_cuda
-    devices = deviceless_cuda.cuda_devices("h100")        # or "h200"
+    x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    compiled = deviceless_cuda.compile_for("h100", f, x)     # or "h200"; jax's Compiled
+    compiled.as_text()                                       # the optimized HLO
+
+By hand, what `compile_for` does:
+
+    devices = deviceless_cuda.cuda_devices("h100")           # one compile-only device
     mesh = jax.sharding.Mesh(devices, ("x",))
     x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16,
                              sharding=jax.sharding.NamedSharding(mesh, jax.P()))
-    with jax.default_device(devices[0]):    # Pallas Triton reads the card from it
-      compiled = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).compile()
-    # or, the same in one call:
-    compiled = deviceless_cuda.compile_for("h100", f, jax.ShapeDtypeStruct((256, 256), jnp.bfloat16))
+    lowered = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+    compiled = lowered.compile()
+    # Pallas Triton kernels also need the card named to their lowering: lower inside
+    # `jattn.lowering_for("cuda", device_kind=devices[0].device_kind)`.
 
 The compile runs XLA's GPU compiler for the card: cuDNN's graph build, Triton and
 Mosaic GPU to PTX, and ptxas to SASS, with the card's shared memory and register
@@ -29,6 +35,7 @@ the card from the installed plugin, so the description matches the compiler in u
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import mmap
@@ -132,14 +139,28 @@ def sharding(target: str) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def compile_for(target: str, fn, *args):
+def compile_for(target: str, fn, *args, options: dict | None = None):
   """`jax.jit(fn)` compiled for `target` on `args` (ShapeDtypeStructs or arrays, pytrees).
 
+  options: XLA debug options for this compile only (e.g. {"xla_dump_to": DIR}).
   Returns jax's `Compiled`: `.as_text()` is the optimized HLO (the kernels' custom
   calls), `.memory_analysis()` the buffers. Raises what the compiler raises.
   """
   place = sharding(target)
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place), args)
-  # the default device is what Pallas Triton's lowering reads the compute capability from
-  with jax.default_device(cuda_devices(target)[0]):
-    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).compile()
+  with _abstract_card(target):
+    lowered = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+  return lowered.compile(compiler_options=options)
+
+
+@contextlib.contextmanager
+def _abstract_card(target: str):
+  """Pallas Triton's lowering reads the card's compute capability from an abstract device
+  when the process has no GPU (as `jattn.lowering_for`). Not `jax.default_device`: a
+  constant made while tracing (splash's block tables, traced for every platform) would
+  then be placed on the compile-only device, which cannot hold data."""
+  device = jax.sharding.AbstractDevice(device_kind=cuda_devices(target)[0].device_kind,
+                                       num_cores=None, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
+                                                                abstract_device=device)):
+    yield
