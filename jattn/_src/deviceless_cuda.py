@@ -23,6 +23,12 @@ The compile runs XLA's GPU compiler for the card: cuDNN's graph build, Triton an
 Mosaic GPU to PTX, and ptxas to SASS, with the card's shared memory and register
 limits (a kernel over them fails here as on the card). It does not run anything.
 
+What a compile needs installed (tried in a bare venv, jax 0.12.0.1): jax-cuda13-plugin and
+jax-cuda13-pjrt without their nvidia extras, and nvidia-cudnn-cu13 (cuDNN's graph build;
+without it jattn's cudnn plan refuses); XLA's PTX compiler and libdevice are inside the
+plugin. `benchmarks/gpu_static.py` also runs ptxas (nvidia-cuda-nvcc) and nvdisasm
+(nvidia-cuda-nvdisasm) itself.
+
 Set `JAX_PLATFORMS=cpu` (or let this module set `JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`
 before jax first initializes its backends): otherwise the CUDA plugin, finding no GPU
 driver, refuses to register and no CUDA topology exists in the process.

@@ -123,18 +123,26 @@ def check_compiles(target, implementation, case, dtype, shape, grad):
       assert not _ts_arrays(text, T, S), f"{named} holds [T, S] arrays: {_ts_arrays(text, T, S)}"
 
 
+# flex_mgpu in the default tier: the mods and score paths not already compiled by flex_gpu's
+# rows of the same case (its plain masks ride on the dtype, head and shape rows)
+_MGPU_CASES = ("causal", "mods_chunked", "mods_prefix_lm", "mods_document", "mods_and_or",
+               "soft_cap", "alibi", "sinks", "hand_written")
+
+
 def _default_rows():
-  """(target, implementation, case, dtype, shape, grad): every case on each kernel once;
-  each dtype, head size and shape on a few; forward-only programs; the H200 on a few."""
-  rows = [("h100", i, c, "bfloat16", "base", True) for i in ("flex_gpu", "flex_mgpu", "cudnn")
+  """(target, implementation, case, dtype, shape, grad): every case on flex_gpu and cuDNN,
+  the mods on flex_mgpu; each dtype, head size and shape on a few; forward-only programs;
+  the H200 on a few. About 80 compiles: the tier's CUDA part on 2 cores."""
+  rows = [("h100", i, c, "bfloat16", "base", True) for i in ("flex_gpu", "cudnn")
           for c in CASES]
+  rows += [("h100", "flex_mgpu", c, "bfloat16", "base", True) for c in _MGPU_CASES]
   rows += [("h100", None, c, "bfloat16", "base", True) for c in ("causal", "alibi", "segments")]
   rows += [("h100", "pallas", c, "bfloat16", "base", True) for c in ("causal", "segments")]
   rows += [("h100", "xla", "causal", "bfloat16", "base", True),
            ("h100", "blockwise", "alibi", "bfloat16", "base", True)]
-  rows += [("h100", i, "causal", d, "base", True) for i, d in (
-      ("flex_gpu", "float32"), ("cudnn", "float32"), ("flex_mgpu", "float16"),
-      ("cudnn", "float16"), ("pallas", "float16"))]
+  rows += [("h100", i, "causal", d, "base", g) for i, d, g in (
+      ("flex_gpu", "float32", False), ("cudnn", "float32", True), ("flex_mgpu", "float16", True),
+      ("cudnn", "float16", True), ("pallas", "float16", True))]
   kernels = ("cudnn", "flex_gpu", "flex_mgpu")
   rows += [("h100", i, "causal", "bfloat16", s, True) for i in kernels for s in ("h128", "h256")]
   rows += [("h100", i, "mods_document" if i != "cudnn" else "causal", "bfloat16", s, True)
