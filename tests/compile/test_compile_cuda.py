@@ -44,7 +44,7 @@ SHAPES = {"base": (1, 256, 256, 4, 2, 64), "h128": (1, 256, 256, 4, 2, 128),
           "h256": (1, 256, 256, 4, 2, 256), "cross": (1, 192, 320, 4, 2, 64),
           "unaligned": (1, 200, 200, 4, 1, 64)}
 
-# implementation -> the kernels its forward and its gradient program hold (compiled HLO)
+# the custom-call targets of Pallas Triton and Mosaic GPU kernels in compiled HLO
 _TRITON = "__gpu$xla.gpu.triton"
 _MOSAIC = "mosaic_gpu_v2"
 
@@ -78,7 +78,7 @@ def kernels_in(text: str) -> tuple[str, set[str]]:
   return ("blockwise" if "/while/body/" in text else "xla"), set()
 
 
-# what each implementation's gradient program must add to its forward's kernels
+# implementation -> the kernels its gradient program adds to its forward's / its forward holds
 BACKWARD = {"cudnn": {"__cudnn$fmhaSoftmaxBackward"}, "pallas": {"mha_backward"},
             "flex_gpu": {"jattn_flex_gpu_dq", "jattn_flex_gpu_dkv"},
             "flex_mgpu": {"jattn_flex_mgpu_dq", "jattn_flex_mgpu_dkv"}}
