@@ -1,0 +1,44 @@
+"""benchmarks/gpu_static.py --smoke: the static report of the six GPU kernels runs on this
+CPU (deviceless compile for an H100) and reads every figure from the compilers' output."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jattn._src import deviceless_cuda
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.skipif(deviceless_cuda.missing() is not None,
+                       reason=f"no deviceless CUDA compile: {deviceless_cuda.missing()}"),
+]
+
+
+def test_gpu_static_reports_every_kernel_in_smoke_mode(tmp_path):
+  out = tmp_path / "static.json"
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_static.py"), "--smoke",
+                         "--out", str(out)], capture_output=True, text=True, timeout=900,
+                        cwd="/")
+  assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+  report = json.loads(out.read_text())
+  assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and not report["errors"]
+  kernels = {name: k for r in report["results"] for name, k in r["kernels"].items()}
+  assert sorted(kernels) == sorted(
+      f"jattn_{impl}_{part}" for impl in ("flex_gpu", "flex_mgpu") for part in ("fwd", "dq", "dkv"))
+  for name, k in kernels.items():
+    assert 0 < k["registers"] <= 255 and k["barriers"] >= 1, (name, k)
+    assert k["threads_per_block"] % 128 == 0 and k["dynamic_smem_bytes"] > 0, (name, k)
+    assert k["spill_stores_bytes"] >= 0
+    if name.startswith("jattn_flex_mgpu"):  # Mosaic's own ptxas and ours read one PTX alike
+      assert k["registers_ptxas_here"] == k["registers"], (name, k)
+    if report["nvdisasm"]:  # a Hopper kernel's loop runs its products on the tensor cores
+      loop = k["inner_loop"]
+      assert loop["tensor_core"] >= 1 and all(f.startswith("HGMMA") for f in
+                                               loop["tensor_core_forms"]), (name, loop)
+      assert loop["instructions"] < loop["kernel_instructions"]
+  assert "jattn_flex_mgpu_dkv" in done.stdout  # the table
