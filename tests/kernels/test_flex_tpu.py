@@ -179,7 +179,7 @@ def test_gradients_match_dense_float64_reference():
 @pytest.mark.parametrize("mask_mod, score_mod, words", [
     (lambda: (lambda ok: lambda b, n, t, s: ok[(s - t) % 4])(jnp.asarray([1, 0, 1, 1]) > 0),
      None, "through arithmetic"),
-    (None, lambda: jattn.mods.relative_bias(jnp.zeros((N, 129))), "block_kv = 128 entries"),
+    (None, lambda: jattn.mods.relative_bias(jnp.zeros((N, 257))), "block_kv = 256 entries"),
     (None, lambda: (lambda pos: lambda x, b, n, t, s: x + pos[t])(jnp.arange(T, dtype=jnp.float32)),
      "in score_mod"),
     (lambda: (lambda b, n, t, s: jnp.arange(4)[t % 4] > 0), None, "not evaluated on a tile"),
