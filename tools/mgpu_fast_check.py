@@ -10,14 +10,16 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    reference (tests/reference.py) for causal, 16 documents, a sliding window, soft-cap,
    ALiBi, chunked, prefix-LM, grouped heads (N = 8, K = 2), T != S, unaligned T, a fully
    masked row and max logits; the gradient (its backward is flex_mgpu's) for one case;
-   the interpretable flex_mgpu, compiled, beside it on two cases. Error bound: 4 x the
+   the interpretable flex_mgpu, compiled, beside it on three cases; the gradient also with
+   the warp-specialised dq kernel (flex_mgpu.ws_dq; dk/dv stay flex_mgpu's). Error bound: 4 x the
    error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
 2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
    left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
    flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), torch FlexAttention (compiled; its
    FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
    rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
-   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's).
+   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's; ":dq" with the
+   warp-specialised dq kernel).
 Each case's failure is caught, printed and recorded; the next case runs. New work stops
 starting after --deadline seconds. JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
 """
@@ -152,8 +154,10 @@ def check_values(args, out, deadline, impls):
       out["values"].append(row)
 
 
-def check_grad(args, out, deadline, impl):
-  """d sum(out * g) / d q, k, v of causal GQA against the float64 analytic gradient."""
+def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcontext):
+  """d sum(out * g) / d q, k, v of causal GQA against the float64 analytic gradient;
+  context(): planned inside it (flex_mgpu.ws_dq for the warp-specialised dq kernel)."""
+  label = label or impl
   if time.perf_counter() > deadline:
     out["skipped"].append(dict(stage="grad", impl=impl))
     return
@@ -163,7 +167,7 @@ def check_grad(args, out, deadline, impl):
                 ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
   start = time.perf_counter()
   try:
-    with _context(args):
+    with _context(args), context():
       loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
           q, k, v, implementation=impl, is_causal=True).astype(jnp.float32) * g.astype(
               jnp.float32))
@@ -171,13 +175,13 @@ def check_grad(args, out, deadline, impl):
     want = _grads(*(_f64(x) for x in (q, k, v, g)))
     errs = [float(np.max(np.abs(_f64(a) - b)) / np.max(np.abs(b))) for a, b in zip(got, want)]
     ok = max(errs) < 2e-2  # bfloat16 inputs and dq, dk, dv: relative to the largest entry
-    row = dict(case="causal_gqa_8_2_grad", impl=impl, rel_err=errs, passed=ok,
+    row = dict(case="causal_gqa_8_2_grad", impl=label, rel_err=errs, passed=ok,
                seconds=round(time.perf_counter() - start, 1))
-    say(f"[grad]   causal GQA 8/2 {impl}: {'ok' if ok else 'FAIL'} relative errors dq, dk, dv "
+    say(f"[grad]   causal GQA 8/2 {label}: {'ok' if ok else 'FAIL'} relative errors dq, dk, dv "
         f"{', '.join(f'{e:.3g}' for e in errs)} (bound 2e-2)")
   except Exception as e:  # noqa: BLE001
-    row = dict(case="causal_gqa_8_2_grad", impl=impl, passed=False, error=_error(e))
-    say(f"[grad]   {impl} ERROR {row['error'][:600]}")
+    row = dict(case="causal_gqa_8_2_grad", impl=label, passed=False, error=_error(e))
+    say(f"[grad]   {label} ERROR {row['error'][:600]}")
   out["values"].append(row)
 
 
@@ -233,7 +237,9 @@ def measure_speed(args, out, deadline, impls):
     jx, th = inputs[T]
     contenders = _jax_contenders(case, B, T, N, impls, args.smoke)
     if backward:  # the kv tile variant and the mask_mod spelling: forward only
-      contenders = {n: f for n, f in contenders.items() if ":" not in n}
+      contenders = {n: f for n, f in contenders.items() if ":" not in n or n.endswith(":dq")}
+    else:
+      contenders = {n: f for n, f in contenders.items() if not n.endswith(":dq")}
     timers = {}
     for name, fn in contenders.items():
       if time.perf_counter() > deadline:
@@ -277,6 +283,11 @@ def _jax_contenders(case, B, T, N, impls, smoke):
       with flex_mgpu.ws_kv_tile(64):
         return attend(FAST)(q, k, v)
     out[f"{FAST}:kv64"] = kv64
+
+    def dq(q, k, v):  # forward + backward only: its warp-specialised dq kernel
+      with flex_mgpu.ws_dq():
+        return attend(FAST)(q, k, v)
+    out[f"{FAST}:dq"] = dq
   if not smoke:
     out["flex_gpu"] = attend("flex_gpu")
     if case == "causal":
@@ -379,6 +390,8 @@ def main(argv=None):
   try:
     check_values(args, out, deadline, impls)
     check_grad(args, out, deadline, impls[0])
+    if FAST in impls:  # its warp-specialised dq kernel (flex_mgpu's dk/dv)
+      check_grad(args, out, deadline, FAST, f"{FAST}:dq", flex_mgpu.ws_dq)
     measure_speed(args, out, deadline, impls)
   finally:
     out["seconds"] = round(time.perf_counter() - start, 1)

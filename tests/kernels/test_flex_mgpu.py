@@ -309,6 +309,20 @@ def test_ws_export_for_cuda_has_its_forward_and_the_reference_backward(case):
     assert not re.search(r"tensor<[^>]*(200x384|384x384)", text), fn
 
 
+@needs_ws
+def test_ws_dq_export_has_the_warp_specialised_dq_kernel():
+  """Inside flex_mgpu.ws_dq() the gradient's dq comes from jattn_flex_mgpu_ws_dq (dk/dv
+  still flex_mgpu's); outside it, from flex_mgpu's dq kernel."""
+  from jattn._src.kernels import flex_mgpu
+  kw, E = EXPORTED["alibi_prefix_lm"]
+  with flex_mgpu.ws_dq():
+    text = _exported_ws(kw, "grad", E, T=200)
+  assert set(re.findall(r"jattn_flex_mgpu_(ws_fwd|ws_dq|fwd|dq|dkv)", text)) == {
+      "ws_fwd", "ws_dq", "dkv"}
+  assert text.count(MOSAIC) == 3
+  assert "jattn_flex_mgpu_ws_dq" not in _exported_ws(kw, "grad", E, T=200)
+
+
 def test_ws_is_named_only_compiled_only_and_hopper_only(monkeypatch):
   """flex_mgpu_ws is never the default, refuses interpret mode (the GPU interpreter runs
   neither setmaxnreg nor a register operand of wgmma) and a GPU other than Hopper."""

@@ -64,6 +64,7 @@ class Plan(kernel_plan.TilePlan):
   offsets: bool = False  # global positions from a ring step's offsets: not wired
   max_logits: bool = False  # the forward also writes each row's running max m
   fast: bool = False  # "flex_mgpu_ws": the warp-specialised forward (flex_mgpu_ws.py)
+  fast_dq: bool = False  # ... and its warp-specialised dq kernel (`ws_dq`)
 
   @property
   def H_padded(self) -> int:  # E: both heads, so the output tile reuses the query's SMEM
@@ -145,7 +146,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            skip=facts.has_mask or bool(st.is_causal) or window is not None,
            q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
            segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
-           score_reads=facts.score_reads, max_logits=bool(return_max_logits), fast=fast)
+           score_reads=facts.score_reads, max_logits=bool(return_max_logits), fast=fast,
+           fast_dq=fast and bool(_WS_DQ.get()))
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
 
 
@@ -157,6 +159,21 @@ def _ws_kv_tile(E: int) -> int:
   """The fast forward's kv tile: 128 keys up to E = 128 (K and V slots 128 KiB of SMEM,
   S 64 registers per consumer thread), else 64. NOT MEASURED on a GPU."""
   return _WS_KV_TILE.get() or (128 if E <= 128 else 64)
+
+
+# "flex_mgpu_ws" with its warp-specialised dq kernel when set (`ws_dq`): NOT YET RUN on a GPU
+_WS_DQ = contextvars.ContextVar("flex_mgpu_ws_dq", default=False)
+
+
+@contextlib.contextmanager
+def ws_dq():
+  """"flex_mgpu_ws" calls planned in this block take their dq from the warp-specialised
+  dq kernel (compiled deviceless; until a card checks it, off by default)."""
+  token = _WS_DQ.set(True)
+  try:
+    yield
+  finally:
+    _WS_DQ.reset(token)
 
 
 @contextlib.contextmanager

@@ -41,10 +41,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import flex_mgpu_kernels as ref
-from jattn._src.kernels.kernel_inputs import pad_to
+from jattn._src.kernels.kernel_inputs import pad_to, to_tiles
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 
 if TYPE_CHECKING:
@@ -106,9 +107,119 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
 
 
 def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
-  """The reference kernels' dq and dk/dv (64 x 64 tiles), from this forward's out, lse."""
+  """dq, dk, dv: the reference kernels' (64 x 64 tiles), from this forward's out and lse;
+  with `p.fast_dq` dq by the warp-specialised `_dq` instead."""
   slow = dataclasses.replace(p, fast=False, block_q=_BQ, block_kv=_BQ)
-  return ref.backward(slow, layout, query, key, value, modifiers, out, lse, d_out)
+  if not p.fast_dq:
+    return ref.backward(slow, layout, query, key, value, modifiers, out, lse, d_out)
+  lay = batched(layout)
+  q, k, v = to_tiles(slow, layout, query, key, value)  # [B, N|K, T'|S', E]
+  o = jnp.einsum(f"{lay.out}->BNTD", with_batch(out, layout)).astype(jnp.float32)
+  do = jnp.einsum(f"{lay.out}->BNTD", with_batch(d_out, layout))
+  delta = jnp.sum(o * do.astype(jnp.float32), axis=-1)  # [B, N, T]
+  fast = dataclasses.replace(p, block_kv=_BQ)  # 128-row programs, 64-key tiles
+  rows = lambda x: pad_to(x, 2, fast.T_padded)
+  do = pad_to(rows(do.astype(q.dtype)), 3, p.H_padded)
+  tm, where, arrays = ref._prepare(fast, modifiers)
+  keep = [name != "q_table" for name in where.names]
+  where = dataclasses.replace(where, names=tuple(n for n, x in zip(where.names, keep) if x))
+  arrays = [a for a, x in zip(arrays, keep) if x]
+  dq = _dq(fast, tm, where, arrays, rows(q), k, v, do, rows(lse), rows(delta))
+  tm_s, where_s, arrays_s = ref._prepare(slow, modifiers)
+  lse_s, delta_s = pad_to(lse, 2, slow.T_padded), pad_to(delta, 2, slow.T_padded)
+  do_s = do[:, :, :slow.T_padded]
+  dk, dv = ref._dkv(slow, tm_s, where_s, arrays_s, q, k, v, do_s, lse_s, delta_s)
+  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
+  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
+  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
+  if not layout.has_batch:
+    dq, dk, dv = dq[0], dk[0], dv[0]
+  return dq, dk, dv, None
+
+
+def _dq(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
+  """dq [B, N, T', E] (q's dtype) by the warp-specialised kernel: a program per 128 query
+  rows (two consumers of 64), the producer streaming K, V tiles of 64 keys."""
+  E, dtype, bk = p.H_padded, q.dtype, p.block_kv
+  scratch = dict(
+      q=ref._tile_smem((_CONSUMERS, _BQ, E), dtype), do=ref._tile_smem((_CONSUMERS, _BQ, E), dtype),
+      k=ref._tile_smem((_STAGES, bk, E), dtype), v=ref._tile_smem((_STAGES, bk, E), dtype),
+      lse=plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32),
+      delta=plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32),
+      own_bars=plgpu.Barrier(num_barriers=4 * _CONSUMERS),
+      k_bars=plgpu.Barrier(num_barriers=_STAGES), v_bars=plgpu.Barrier(num_barriers=_STAGES),
+      k_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+      v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+      **_side_scratch(where, arrays, bk))
+  body = functools.partial(_dq_kernel, p=p, tm=tm, where=where, arrays=arrays)
+  return plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
+      grid=(p.T_padded // p.block_q, p.N, p.B), grid_names=("i", "n", "b"),
+      num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name="jattn_flex_mgpu_ws_dq",
+      compiler_params=plgpu.CompilerParams(approx_math=True))(
+          q, k, v, do, lse, delta, *arrays)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
+               arrays, **smem):
+  kv_at = lambda x, b, h, rows: (k_ref if x == "k" else v_ref).at[b, h, rows]
+  gmem, outs, (i, n, b, wg), side, wait_side, count = _program(
+      p, tm, where, arrays, refs, smem, kv_at)
+  (dq_ref,) = outs
+  bk, E = p.block_kv, p.H_padded
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    rows = pl.ds(i * p.block_q + wg * _BQ, _BQ)
+    bars = smem["own_bars"]
+    for x, (src, name) in enumerate(((q_ref, "q"), (do_ref, "do"), (lse_ref, "lse"),
+                                     (delta_ref, "delta"))):
+      plgpu.copy_gmem_to_smem(src.at[b, n, rows], smem[name].at[wg],
+                              bars.at[x * _CONSUMERS + wg])
+    wait_side()
+    for x in range(4):
+      plgpu.barrier_wait(bars.at[x * _CONSUMERS + wg])
+    side_c = _consumer_side(p, tm, where, gmem, smem, wg)
+    view = dataclasses.replace(p, block_q=_BQ)
+    tile = i * _CONSUMERS + wg
+    q_s, do_s = smem["q"].at[wg], smem["do"].at[wg]
+    lse = compat.mgpu_load(smem["lse"].at[wg], _WGMMA.reduce(1))
+    delta = compat.mgpu_load(smem["delta"].at[wg], _WGMMA.reduce(1))
+
+    def body(k, dq):
+      slot = lax.rem(k, _STAGES)
+      j, full = side_c.step(k)
+      plgpu.barrier_wait(smem["k_bars"].at[slot])
+      plgpu.barrier_wait(smem["v_bars"].at[slot])
+
+      def products(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, q_s, smem["k"].at[slot].T)
+        plgpu.wgmma(dp_ref, do_s, smem["v"].at[slot].T)  # dP = dO v^T
+        return s_ref[...], dp_ref[...]
+
+      s, dp = pl.run_scoped(products, plgpu.ACC((_BQ, bk), jnp.float32),
+                            plgpu.ACC((_BQ, bk), jnp.float32))
+      if "rows_bars" in smem:
+        plgpu.barrier_wait(smem["rows_bars"].at[slot])
+      _, ds = ref._by_class(full, lambda full: ref._tile_grads(
+          view, side_c, b, n, tile, j, s * p.scale, dp, lse, delta, slot, False, full))
+      plgpu.barrier_arrive(smem["v_free"].at[slot])  # V and the key-side rows read
+      ds = ds.astype(q_s.dtype)
+
+      def grad(acc_ref):  # dQ += dS k, dS from registers
+        plgpu.wgmma(acc_ref, ds, smem["k"].at[slot])
+
+      dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(smem["k_free"].at[slot])
+      return dq
+
+    dq = lax.fori_loop(0, count(), body,
+                       plgpu.layout_cast(jnp.zeros((_BQ, E), jnp.float32), _WGMMA))
+    q_s[...] = dq.astype(q_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, n, rows])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _side_scratch(where, arrays, bk: int) -> dict:
