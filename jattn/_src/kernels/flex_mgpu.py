@@ -65,6 +65,7 @@ class Plan(kernel_plan.TilePlan):
   max_logits: bool = False  # the forward also writes each row's running max m
   fast: bool = False  # "flex_mgpu_ws": the warp-specialised forward (flex_mgpu_ws.py)
   fast_dq: bool = False  # ... and its warp-specialised dq kernel (`ws_dq`)
+  fast_dkv: bool = False  # ... and its warp-specialised dk/dv kernel (`ws_dkv`)
 
   @property
   def H_padded(self) -> int:  # E: both heads, so the output tile reuses the query's SMEM
@@ -147,7 +148,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
            segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
            score_reads=facts.score_reads, max_logits=bool(return_max_logits), fast=fast,
-           fast_dq=fast and bool(_WS_DQ.get()))
+           fast_dq=fast and bool(_WS_DQ.get()), fast_dkv=fast and bool(_WS_DKV.get()))
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
 
 
@@ -174,6 +175,20 @@ def ws_dq():
     yield
   finally:
     _WS_DQ.reset(token)
+
+
+_WS_DKV = contextvars.ContextVar("flex_mgpu_ws_dkv", default=False)
+
+
+@contextlib.contextmanager
+def ws_dkv():
+  """"flex_mgpu_ws" calls planned in this block take dk, dv from the warp-specialised
+  dk/dv kernel (compiled deviceless; until a card checks it, off by default)."""
+  token = _WS_DKV.set(True)
+  try:
+    yield
+  finally:
+    _WS_DKV.reset(token)
 
 
 @contextlib.contextmanager

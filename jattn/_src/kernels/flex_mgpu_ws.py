@@ -108,27 +108,39 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
 
 def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
   """dq, dk, dv: the reference kernels' (64 x 64 tiles), from this forward's out and lse;
-  with `p.fast_dq` dq by the warp-specialised `_dq` instead."""
+  with `p.fast_dq` / `p.fast_dkv` by the warp-specialised `_dq` / `_dkv` instead."""
   slow = dataclasses.replace(p, fast=False, block_q=_BQ, block_kv=_BQ)
-  if not p.fast_dq:
+  if not (p.fast_dq or p.fast_dkv):
     return ref.backward(slow, layout, query, key, value, modifiers, out, lse, d_out)
   lay = batched(layout)
-  q, k, v = to_tiles(slow, layout, query, key, value)  # [B, N|K, T'|S', E]
+  q, k, v = to_tiles(slow, layout, query, key, value)  # [B, N|K, T'|S', E], 64-multiples
   o = jnp.einsum(f"{lay.out}->BNTD", with_batch(out, layout)).astype(jnp.float32)
   do = jnp.einsum(f"{lay.out}->BNTD", with_batch(d_out, layout))
   delta = jnp.sum(o * do.astype(jnp.float32), axis=-1)  # [B, N, T]
-  fast = dataclasses.replace(p, block_kv=_BQ)  # 128-row programs, 64-key tiles
-  rows = lambda x: pad_to(x, 2, fast.T_padded)
-  do = pad_to(rows(do.astype(q.dtype)), 3, p.H_padded)
-  tm, where, arrays = ref._prepare(fast, modifiers)
-  keep = [name != "q_table" for name in where.names]
-  where = dataclasses.replace(where, names=tuple(n for n, x in zip(where.names, keep) if x))
-  arrays = [a for a, x in zip(arrays, keep) if x]
-  dq = _dq(fast, tm, where, arrays, rows(q), k, v, do, rows(lse), rows(delta))
-  tm_s, where_s, arrays_s = ref._prepare(slow, modifiers)
-  lse_s, delta_s = pad_to(lse, 2, slow.T_padded), pad_to(delta, 2, slow.T_padded)
-  do_s = do[:, :, :slow.T_padded]
-  dk, dv = ref._dkv(slow, tm_s, where_s, arrays_s, q, k, v, do_s, lse_s, delta_s)
+  do = pad_to(do.astype(q.dtype), 3, p.H_padded)
+  rows = lambda x, plan: pad_to(x, 2, plan.T_padded)
+
+  def prepared(plan, drop):
+    tm, where, arrays = ref._prepare(plan, modifiers)
+    keep = [name != drop for name in where.names]
+    where = dataclasses.replace(where, names=tuple(n for n, x in zip(where.names, keep) if x))
+    return tm, where, [a for a, x in zip(arrays, keep) if x]
+
+  if p.fast_dq:  # 128-row programs, 64-key tiles
+    fast = dataclasses.replace(p, block_kv=_BQ)
+    dq = _dq(fast, *prepared(fast, "q_table"), rows(q, fast), k, v, rows(do, fast),
+             rows(lse, fast), rows(delta, fast))
+  else:
+    dq = ref._dq(slow, *ref._prepare(slow, modifiers), q, k, v, rows(do, slow),
+                 rows(lse, slow), rows(delta, slow))
+  if p.fast_dkv:  # 64-row query tiles, 128-key programs
+    fast = dataclasses.replace(p, block_q=_BQ)
+    pad = lambda x: pad_to(x, 2, fast.S_padded)
+    dk, dv = _dkv(fast, *prepared(fast, "kv_table"), q, pad(k), pad(v), rows(do, slow),
+                  rows(lse, slow), rows(delta, slow))
+  else:
+    dk, dv = ref._dkv(slow, *ref._prepare(slow, modifiers), q, k, v, rows(do, slow),
+                      rows(lse, slow), rows(delta, slow))
   dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
   dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
   dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
@@ -419,3 +431,175 @@ def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
   out = lax.fori_loop(0, count, body, init)
   pl.when(wg == 0)(take_turn)
   return out
+
+
+# ---------------------------------------------------------------- dk, dv
+
+
+def _dkv(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
+  """(dk, dv) [B, K, S', E] (k's dtype) by the warp-specialised kernel: a program per 128
+  keys of kv head h (two consumers of 64), the producer streaming, for each of the G query
+  heads of h, its non-EMPTY 64-row query tiles (q, dO, lse, delta and the query-side rows)
+  through the stage ring; dV += P^T dO and dK += dS^T q with P^T, dS^T from registers.
+  p: block_q 64 (query tiles), block_kv 128 (the program's keys)."""
+  E, dtype, bq, G = p.H_padded, q.dtype, p.block_q, p.N // p.K
+  shapes = dict(zip(where.names, (a.shape for a in arrays)))
+  Gt = G if "q_table" in shapes and shapes["q_table"][1] > 1 else 1  # table rows held
+  scratch = dict(
+      k=ref._tile_smem((_CONSUMERS, _BQ, E), dtype), v=ref._tile_smem((_CONSUMERS, _BQ, E), dtype),
+      q=ref._tile_smem((_STAGES, bq, E), dtype), do=ref._tile_smem((_STAGES, bq, E), dtype),
+      lse=plgpu.SMEM((_STAGES, bq), jnp.float32), delta=plgpu.SMEM((_STAGES, bq), jnp.float32),
+      own_bars=plgpu.Barrier(num_barriers=2 * _CONSUMERS),
+      in_bars=plgpu.Barrier(num_barriers=5 * _STAGES),  # q, dO, lse, delta, rows per slot
+      free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+      side_bars=plgpu.Barrier(num_barriers=5))
+  if "q_table" in shapes:
+    scratch["tables"] = plgpu.SMEM((Gt, *shapes["q_table"][3:]), jnp.int32)
+  for name, kind in (("ints", jnp.int32), ("floats", jnp.float32)):
+    if name in shapes:
+      scratch[name] = plgpu.SMEM(shapes[name], kind)
+  if "kv_rows" in shapes:
+    scratch["kv_rows"] = plgpu.SMEM((_CONSUMERS, shapes["kv_rows"][0], _BQ), jnp.int32)
+  if "q_rows" in shapes:
+    scratch["q_rows"] = plgpu.SMEM((_STAGES, shapes["q_rows"][0], bq), jnp.int32)
+  body = functools.partial(_dkv_kernel, p=p, tm=tm, where=where, Gt=Gt)
+  shape = jax.ShapeDtypeStruct(k.shape, dtype)
+  return plgpu.kernel(
+      body, out_type=(shape, shape), scratch_types=scratch,
+      grid=(p.S_padded // p.block_kv, p.K, p.B), grid_names=("j", "h", "b"),
+      num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name="jattn_flex_mgpu_ws_dkv",
+      compiler_params=plgpu.CompilerParams(approx_math=True))(
+          q, k, v, do, lse, delta, *arrays)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
+                Gt, **smem):
+  gmem = dict(zip(where.names, refs[:len(where.names)]))
+  dk_ref, dv_ref = refs[len(where.names):]
+  j = (p.S_padded // p.block_kv - 1) - lax.axis_index("j")  # heaviest first (causal)
+  h, b, wg = (lax.axis_index(a) for a in ("h", "b", "wg"))
+  G, bq = p.N // p.K, p.block_q
+  copies = []  # the side inputs, copied once
+  if "q_table" in gmem:
+    Bc = gmem["q_table"].shape[0]
+    heads = pl.ds(h * G if Gt > 1 else 0, Gt)
+    copies.append((gmem["q_table"].at[b if Bc > 1 else 0, heads, j], smem["tables"]))
+  for name in ("ints", "floats"):
+    if name in gmem:
+      copies.append((gmem[name], smem[name]))
+  if "kv_rows" in gmem:
+    for c in range(_CONSUMERS):
+      copies.append((gmem["kv_rows"].at[:, pl.ds(j * p.block_kv + c * _BQ, _BQ)],
+                     smem["kv_rows"].at[c]))
+  side_bars, bars = smem["side_bars"], smem["in_bars"]
+
+  def wait_side():
+    for x in range(len(copies)):
+      plgpu.barrier_wait(side_bars.at[x])
+
+  def head_side(g, rows_view=None):
+    mine = dict(smem)
+    if "tables" in smem:
+      mine["table"] = smem["tables"].at[g if Gt > 1 else 0]
+    if rows_view is not None:
+      mine["kv_rows"] = rows_view
+    return ref._Side(p, tm, where, gmem, mine, "s")
+
+  count = lambda side: side.count(p.T_padded // bq)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    for x, (src, dst) in enumerate(copies):
+      plgpu.copy_gmem_to_smem(src, dst, side_bars.at[x])
+    wait_side()
+
+    def head(g, t0):
+      n, side = h * G + g, head_side(g)
+
+      def step(kk, carry):
+        t = t0 + kk
+        slot = lax.rem(t, _STAGES)
+
+        @pl.when(t >= _STAGES)
+        def _():
+          plgpu.barrier_wait(smem["free"].at[slot])
+
+        rows = pl.ds(side.step(kk)[0] * bq, bq)
+        for x, (src, name) in enumerate(((q_ref, "q"), (do_ref, "do"), (lse_ref, "lse"),
+                                         (delta_ref, "delta"))):
+          plgpu.copy_gmem_to_smem(src.at[b, n, rows], smem[name].at[slot],
+                                  bars.at[x * _STAGES + slot])
+        if "q_rows" in gmem:
+          plgpu.copy_gmem_to_smem(gmem["q_rows"].at[:, rows], smem["q_rows"].at[slot],
+                                  bars.at[4 * _STAGES + slot])
+        return carry
+
+      cnt = count(side)
+      lax.fori_loop(0, cnt, step, None)
+      return t0 + cnt
+
+    lax.fori_loop(0, G, head, jnp.int32(0))
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    keys = pl.ds(j * p.block_kv + wg * _BQ, _BQ)
+    k_s, v_s = smem["k"].at[wg], smem["v"].at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[b, h, keys], k_s, smem["own_bars"].at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, h, keys], v_s, smem["own_bars"].at[_CONSUMERS + wg])
+    wait_side()
+    plgpu.barrier_wait(smem["own_bars"].at[wg])
+    plgpu.barrier_wait(smem["own_bars"].at[_CONSUMERS + wg])
+    view = dataclasses.replace(p, block_kv=_BQ)  # positions of this consumer's 64 keys
+    tile = j * _CONSUMERS + wg
+    rows_view = smem["kv_rows"].at[wg] if "kv_rows" in smem else None
+
+    def head(g, carry):
+      dk, dv, t0 = carry
+      n, side = h * G + g, head_side(g, rows_view)
+
+      def body(kk, carry):
+        dk, dv = carry
+        t = t0 + kk
+        slot = lax.rem(t, _STAGES)
+        i, full = side.step(kk)
+        for x in range(5 if "q_rows" in smem else 4):
+          plgpu.barrier_wait(bars.at[x * _STAGES + slot])
+
+        def products(s_ref, dp_ref):  # [64 keys, bq queries]: k q^T and v dO^T
+          plgpu.wgmma(s_ref, k_s, smem["q"].at[slot].T)
+          plgpu.wgmma(dp_ref, v_s, smem["do"].at[slot].T)
+          return s_ref[...], dp_ref[...]
+
+        s, dp = pl.run_scoped(products, plgpu.ACC((_BQ, bq), jnp.float32),
+                              plgpu.ACC((_BQ, bq), jnp.float32))
+        lse = compat.mgpu_load(smem["lse"].at[slot], _WGMMA.reduce(0))
+        delta = compat.mgpu_load(smem["delta"].at[slot], _WGMMA.reduce(0))
+        probs, ds = ref._by_class(full, lambda full: ref._tile_grads(
+            view, side, b, n, i, tile, s * p.scale, dp, lse, delta, slot, True, full))
+        probs, ds = probs.astype(k_s.dtype), ds.astype(k_s.dtype)
+
+        def dv_step(acc_ref):  # dV += P^T dO
+          plgpu.wgmma(acc_ref, probs, smem["do"].at[slot])
+
+        def dk_step(acc_ref):  # dK += dS^T q
+          plgpu.wgmma(acc_ref, ds, smem["q"].at[slot])
+
+        dv = pl.run_state(dv_step)(plgpu.ACC.init(dv))
+        dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
+        plgpu.barrier_arrive(smem["free"].at[slot])
+        return dk, dv
+
+      cnt = count(side)
+      dk, dv = lax.fori_loop(0, cnt, body, (dk, dv))
+      return dk, dv, t0 + cnt
+
+    zeros = lambda: plgpu.layout_cast(jnp.zeros((_BQ, p.H_padded), jnp.float32), _WGMMA)
+    dk, dv, _ = lax.fori_loop(0, G, head, (zeros(), zeros(), jnp.int32(0)))
+    k_s[...] = dk.astype(k_s.dtype)
+    v_s[...] = dv.astype(v_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, h, keys])
+    plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, h, keys])
+    plgpu.wait_smem_to_gmem(0)
