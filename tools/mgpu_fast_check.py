@@ -10,16 +10,17 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    reference (tests/reference.py) for causal, 16 documents, a sliding window, soft-cap,
    ALiBi, chunked, prefix-LM, grouped heads (N = 8, K = 2), T != S, unaligned T, a fully
    masked row and max logits; the gradient (its backward is flex_mgpu's) for one case;
-   the interpretable flex_mgpu, compiled, beside it on causal; the gradient also with
-   the warp-specialised dq kernel (flex_mgpu.ws_dq; dk/dv stay flex_mgpu's). Error bound: 4 x the
+   the interpretable flex_mgpu, compiled, beside it on causal; the gradient (flex_mgpu's
+   backward kernels), and with the warp-specialised dq and dk/dv kernels
+   (flex_mgpu.ws_dq, ws_dkv: "flex_mgpu_ws:bwd"). Error bound: 4 x the
    error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
 2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
    left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
    flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), torch FlexAttention (compiled; its
    FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
    rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
-   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's; ":dq" with the
-   warp-specialised dq kernel).
+   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's; ":bwd" with the
+   warp-specialised dq and dk/dv kernels).
 Order: causal's values, its forward times at T = 4096, the other values, the gradients,
 the other timings. Each case's failure is caught, printed and recorded; the next case runs. New work stops
 starting after --deadline seconds. JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
@@ -207,13 +208,13 @@ def _grads(q, k, v, g):
 
 
 def speed_jobs(lengths):
-  """(T, case, backward) in the order they run: the forward cases at the first length,
-  causal forward + backward there, then the forward cases at the other lengths."""
+  """(T, case, backward) in the order they run: at the first length causal forward,
+  causal forward + backward, 16 documents and soft-cap forward; then the forward cases at
+  the other lengths."""
   jobs = []
   for x, T in enumerate(lengths):
-    jobs += [(T, case, False) for case in ("causal", "documents", "soft_cap")]
-    if x == 0:
-      jobs.append((T, "causal", True))
+    jobs += [(T, "causal", False)] + [(T, "causal", True)] * (x == 0)
+    jobs += [(T, case, False) for case in ("documents", "soft_cap")]
   return jobs
 
 
@@ -233,11 +234,7 @@ def measure_speed(args, out, deadline, impls, jobs):
     if T not in inputs:
       inputs = {T: bench._inputs(B, T, N, H, "bfloat16", torch_device)}  # one length held
     jx, th = inputs[T]
-    contenders = _jax_contenders(case, B, T, N, impls, args.smoke)
-    if backward:  # the kv tile variant and the mask_mod spelling: forward only
-      contenders = {n: f for n, f in contenders.items() if ":" not in n or n.endswith(":dq")}
-    else:
-      contenders = {n: f for n, f in contenders.items() if not n.endswith(":dq")}
+    contenders = _jax_contenders(case, B, T, N, impls, args.smoke, backward)
     timers = {}
     for name, fn in contenders.items():
       if time.perf_counter() > deadline:
@@ -266,26 +263,31 @@ def measure_speed(args, out, deadline, impls, jobs):
           f"{row['tflops']:6.1f} TFLOP/s{ratio}")
 
 
-def _jax_contenders(case, B, T, N, impls, smoke):
+def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
+  """name -> fn(q, k, v) [B, T, N, H]: the fast path's variants ("flex_mgpu_ws:kv64" its
+  64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels), the reference (causal
+  only: the interpreted design's cost), flex_gpu and cuDNN (causal)."""
   ids = jnp.asarray(np.repeat(np.arange(bench.DOCUMENTS), -(-T // bench.DOCUMENTS))[:T][
       None].repeat(B, 0))
   kw = {"causal": dict(is_causal=True), "documents": dict(mask_mod=mods.document(ids)),
         "soft_cap": dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP))}[case]
   attend = lambda impl, extra=None: (lambda q, k, v: jattn.dot_product_attention(
       q, k, v, implementation=impl, **(extra or kw)))
-  out = {impl: attend(impl) for impl in impls}
-  if case == "causal":
+  out = {impls[0]: attend(impls[0])}
+  if FAST in impls and backward:
+    def fast_backward(q, k, v):
+      with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+        return attend(FAST)(q, k, v)
+    out[f"{FAST}:bwd"] = fast_backward
+  if case == "causal" and not backward:
     out[f"{impls[0]}:mask_mod"] = attend(impls[0], dict(mask_mod=mods.causal()))
-  if FAST in impls:  # its other kv tile (64 keys; 128 is the default at H = 128)
-    def kv64(q, k, v):
-      with flex_mgpu.ws_kv_tile(64):
-        return attend(FAST)(q, k, v)
-    out[f"{FAST}:kv64"] = kv64
-
-    def dq(q, k, v):  # forward + backward only: its warp-specialised dq kernel
-      with flex_mgpu.ws_dq():
-        return attend(FAST)(q, k, v)
-    out[f"{FAST}:dq"] = dq
+    if FAST in impls:
+      def kv64(q, k, v):
+        with flex_mgpu.ws_kv_tile(64):
+          return attend(FAST)(q, k, v)
+      out[f"{FAST}:kv64"] = kv64
+  if case == "causal" or smoke:
+    out.update({impl: attend(impl) for impl in impls[1:]})
   if not smoke:
     out["flex_gpu"] = attend("flex_gpu")
     if case == "causal":
@@ -316,6 +318,12 @@ def _flash(flex, q, k, v):
   cells = {c: x.cell_contents for c, x in zip(flex.__code__.co_freevars, flex.__closure__)}
   return cells["flex"](q, k, v, score_mod=cells["score"], block_mask=cells["block_mask"],
                        kernel_options={"BACKEND": "FLASH"})
+
+
+@contextlib.contextmanager
+def _fast_backward():
+  with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+    yield
 
 
 def _make(args, fn, inputs, backward=False):
@@ -396,8 +404,8 @@ def main(argv=None):
     measure_speed(args, out, deadline, impls, jobs[:1])
     check_values(args, out, deadline, impls, names[1:])
     check_grad(args, out, deadline, impls[0])
-    if FAST in impls:  # its warp-specialised dq kernel (flex_mgpu's dk/dv)
-      check_grad(args, out, deadline, FAST, f"{FAST}:dq", flex_mgpu.ws_dq)
+    if FAST in impls:  # its warp-specialised dq and dk/dv kernels
+      check_grad(args, out, deadline, FAST, f"{FAST}:bwd", _fast_backward)
     measure_speed(args, out, deadline, impls, jobs[1:])
   finally:
     out["seconds"] = round(time.perf_counter() - start, 1)

@@ -310,17 +310,25 @@ def test_ws_export_for_cuda_has_its_forward_and_the_reference_backward(case):
 
 
 @needs_ws
-def test_ws_dq_export_has_the_warp_specialised_dq_kernel():
-  """Inside flex_mgpu.ws_dq() the gradient's dq comes from jattn_flex_mgpu_ws_dq (dk/dv
-  still flex_mgpu's); outside it, from flex_mgpu's dq kernel."""
+def test_ws_backward_export_has_the_warp_specialised_kernels():
+  """Inside flex_mgpu.ws_dq() the gradient's dq comes from jattn_flex_mgpu_ws_dq, inside
+  ws_dkv() dk, dv from jattn_flex_mgpu_ws_dkv; outside, from flex_mgpu's kernels. Over
+  E = 128 (their tiles would not fit SMEM) flex_mgpu's kernels run."""
   from jattn._src.kernels import flex_mgpu
   kw, E = EXPORTED["alibi_prefix_lm"]
+  kernels = lambda text: set(re.findall(r"jattn_flex_mgpu_(ws_fwd|ws_dq|ws_dkv|fwd|dq|dkv)\b",
+                                        text))
   with flex_mgpu.ws_dq():
+    assert kernels(_exported_ws(kw, "grad", E, T=200)) == {"ws_fwd", "ws_dq", "dkv"}
+  with flex_mgpu.ws_dkv():
+    assert kernels(_exported_ws(kw, "grad", E, T=200)) == {"ws_fwd", "dq", "ws_dkv"}
+  with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
     text = _exported_ws(kw, "grad", E, T=200)
-  assert set(re.findall(r"jattn_flex_mgpu_(ws_fwd|ws_dq|fwd|dq|dkv)", text)) == {
-      "ws_fwd", "ws_dq", "dkv"}
+  assert kernels(text) == {"ws_fwd", "ws_dq", "ws_dkv"}
   assert text.count(MOSAIC) == 3
-  assert "jattn_flex_mgpu_ws_dq" not in _exported_ws(kw, "grad", E, T=200)
+  assert not re.search(r"tensor<[^>]*(200x384|384x384)", text)
+  with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+    assert kernels(_exported_ws(kw, "grad", 256, T=200)) == {"ws_fwd", "dq", "dkv"}
 
 
 def test_ws_is_named_only_compiled_only_and_hopper_only(monkeypatch):

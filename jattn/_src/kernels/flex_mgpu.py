@@ -148,7 +148,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
            segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
            score_reads=facts.score_reads, max_logits=bool(return_max_logits), fast=fast,
-           fast_dq=fast and bool(_WS_DQ.get()), fast_dkv=fast and bool(_WS_DKV.get()))
+           # the fast backward kernels' tiles fit SMEM up to E = 128
+           fast_dq=fast and E <= 128 and bool(_WS_DQ.get()),
+           fast_dkv=fast and E <= 128 and bool(_WS_DKV.get()))
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
 
 
