@@ -16,7 +16,8 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
 2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
    left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
-   flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), torch FlexAttention (compiled; its
+   flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), jax's attention_mgpu (causal, float16),
+   torch FlexAttention (compiled; its
    FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
    rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
    backward at the first length (flex_mgpu_ws's backward is flex_mgpu's; ":bwd" with the
@@ -239,7 +240,8 @@ def measure_speed(args, out, deadline, impls, jobs):
     for name, fn in contenders.items():
       if time.perf_counter() > deadline:
         break
-      timers[name] = _timer(out, T, case, name, lambda: _make(args, fn, jx, backward))
+      given = tuple(x.astype(jnp.float16) for x in jx) if name.endswith(":f16") else jx
+      timers[name] = _timer(out, T, case, name, lambda: _make(args, fn, given, backward))
     if th is not None and time.perf_counter() < deadline:
       for name, fn in _torch_contenders(case, B, T, N, torch_device, out, backward).items():
         if time.perf_counter() > deadline:
@@ -293,7 +295,18 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
     if case == "causal":
       out["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, implementation="cudnn", is_causal=True)
+      if not backward:  # the same design, jax's (its causal backward is not written)
+        out["jax_attention_mgpu:f16"] = _jax_attention_mgpu
   return out
+
+
+def _jax_attention_mgpu(q, k, v):
+  """jax's own FlashAttention-3 kernel on Mosaic GPU (causal; it takes float16 here:
+  the timer hands it float16 copies of the inputs), the design's reference point."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                       causal=True)
+  return attention_mgpu.attention(q, k, v, config)
 
 
 def _torch_contenders(case, B, T, N, device, out, backward=False):
