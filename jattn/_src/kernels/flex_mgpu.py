@@ -101,17 +101,13 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   block_mask's tiles, unused (the tiles are 64 x 64; the classes are recomputed).
   interpret: run the kernels in the Mosaic GPU interpreter (any backend, for tests).
   return_max_logits: the forward also returns each row's largest visible logit.
-  fast: plan "flex_mgpu_ws", the warp-specialised forward (compiled only, Hopper only;
-  its backward is this kernel's).
+  fast: plan "flex_mgpu_ws", the warp-specialised forward (Hopper only; interpreted with
+  its register operands through SMEM; its backward is this kernel's unless ws_dq / ws_dkv).
   """
   del block_q, block_kv
   m = modifiers
-  if fast:  # before the interpreter's absence: this path never runs interpreted
-    reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws") or (
-        interpret and (
-            "the warp-specialised forward runs compiled only (the GPU interpreter runs no "
-            "setmaxnreg, register operand of wgmma or carried accumulator); 'flex_mgpu' is "
-            "its interpretable reference"))
+  if fast:
+    reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws")
     if reason:
       return reason
   reason = compat.missing("pallas_mosaic_gpu") or (

@@ -21,11 +21,14 @@ Both consumers visit the same kv tiles: the non-EMPTY tiles of the 128-row span 
 block classes at tiles of 128 x bk); a FULL tile runs without the mask functions.
 q, k, v are read in [B, T, N, E] order by strided TMA boxes (for the default "BTNH"
 layout with aligned T and E no transpose pass), the output written likewise.
-The backward is the reference kernels' (`flex_mgpu_kernels.backward`, 64 x 64 tiles).
+The backward is the reference kernels' (`flex_mgpu_kernels.backward`, 64 x 64 tiles), or
+inside `flex_mgpu.ws_dq()` / `ws_dkv()` the warp-specialised `_dq` / `_dkv` below.
 
 The GPU interpreter runs neither register operands of `wgmma`, an accumulator carried
-by `pl.run_state`, nor `setmaxnreg`, so this path is never interpreted: the
-interpretable "flex_mgpu" is its reference, on the CPU and on the card.
+by `pl.run_state`, nor `setmaxnreg`: in interpret mode (tests on a CPU) the register
+operand goes through SMEM into a fresh accumulator and `setmaxnreg` is skipped
+(`_mma_from_registers`, `_set_registers`); the warpgroups, barriers, tables and side
+inputs are the compiled kernels' own.
 """
 
 from __future__ import annotations
@@ -62,6 +65,36 @@ _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
 
 
+def _launch(p: Plan, body, out_type, scratch, grid, names, kernel_name):
+  """plgpu.kernel with a producer and two consumer warpgroups; in interpret mode the GPU
+  interpreter with race detection."""
+  interpret = plgpu.InterpretGPUParams(detect_races=True) if p.interpret else None
+  params = None if p.interpret else plgpu.CompilerParams(approx_math=True)
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
+                      grid_names=names, num_threads=_CONSUMERS + 1, thread_name="wg",
+                      kernel_name=kernel_name, compiler_params=params, interpret=interpret)
+
+
+def _set_registers(p: Plan, n: int, action: str):
+  if not p.interpret:  # the interpreter has no register file to divide
+    plgpu.set_max_registers(n, action=action)
+
+
+def _mma_from_registers(p: Plan, acc, a, b, smem, spill_at):
+  """acc + a @ b on the tensor cores: a [64, K] 16-bit in registers, b an SMEM ref, acc
+  float32 [64, N] carried in registers (`pl.run_state`). The GPU interpreter runs neither
+  a register operand nor a carried accumulator: there a goes through SMEM
+  (smem["spill"].at[spill_at]) into a fresh accumulator, added in registers."""
+  if not p.interpret:
+    def step(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+    return pl.run_state(step)(plgpu.ACC.init(acc))
+  spill = smem["spill"].at[spill_at]
+  spill[...] = a
+  plgpu.commit_smem()
+  return acc + ref._mma(spill, b, acc.shape)
+
+
 # ---------------------------------------------------------------- the call
 
 
@@ -96,11 +129,11 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
     scratch["max"] = plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32)
     out_type += (rows,)
   body = functools.partial(_kernel, p=p, tm=tm, where=where, arrays=arrays)
-  out, lse, *max_logits = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch,
-      grid=(p.T_padded // p.block_q, p.N, p.B), grid_names=("i", "n", "b"),
-      num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name="jattn_flex_mgpu_ws_fwd",
-      compiler_params=plgpu.CompilerParams(approx_math=True))(q, k, v, *arrays)
+  if p.interpret:  # P through SMEM (`_mma_from_registers`)
+    scratch["spill"] = ref._tile_smem((_CONSUMERS, _BQ, p.block_kv), dtype)
+  out, lse, *max_logits = _launch(
+      p, body, out_type, scratch, (p.T_padded // p.block_q, p.N, p.B), ("i", "n", "b"),
+      "jattn_flex_mgpu_ws_fwd")(q, k, v, *arrays)
   out = jnp.einsum(f"BTND->{lay.out}", out[:, :p.T, :, :p.D])
   max_logits = max_logits[0][:, :, :p.T] if max_logits else None
   return without_batch(out, layout), lse[:, :, :p.T], max_logits
@@ -164,12 +197,11 @@ def _dq(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
       v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
       **_side_scratch(where, arrays, bk))
   body = functools.partial(_dq_kernel, p=p, tm=tm, where=where, arrays=arrays)
-  return plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct(q.shape, dtype), scratch_types=scratch,
-      grid=(p.T_padded // p.block_q, p.N, p.B), grid_names=("i", "n", "b"),
-      num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name="jattn_flex_mgpu_ws_dq",
-      compiler_params=plgpu.CompilerParams(approx_math=True))(
-          q, k, v, do, lse, delta, *arrays)
+  if p.interpret:  # dS through SMEM (`_mma_from_registers`)
+    scratch["spill"] = ref._tile_smem((_CONSUMERS, _BQ, bk), dtype)
+  return _launch(p, body, jax.ShapeDtypeStruct(q.shape, dtype), scratch,
+                 (p.T_padded // p.block_q, p.N, p.B), ("i", "n", "b"),
+                 "jattn_flex_mgpu_ws_dq")(q, k, v, do, lse, delta, *arrays)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
@@ -182,7 +214,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    _set_registers(p, _CONSUMER_REGISTERS, "increase")
     rows = pl.ds(i * p.block_q + wg * _BQ, _BQ)
     bars = smem["own_bars"]
     for x, (src, name) in enumerate(((q_ref, "q"), (do_ref, "do"), (lse_ref, "lse"),
@@ -219,10 +251,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
       plgpu.barrier_arrive(smem["v_free"].at[slot])  # V and the key-side rows read
       ds = ds.astype(q_s.dtype)
 
-      def grad(acc_ref):  # dQ += dS k, dS from registers
-        plgpu.wgmma(acc_ref, ds, smem["k"].at[slot])
-
-      dq = pl.run_state(grad)(plgpu.ACC.init(dq))
+      dq = _mma_from_registers(p, dq, ds, smem["k"].at[slot], smem, (wg,))  # dQ += dS k
       plgpu.barrier_arrive(smem["k_free"].at[slot])
       return dq
 
@@ -288,7 +317,7 @@ def _program(p: Plan, tm, where, arrays, refs, smem, kv_at):
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    _set_registers(p, _PRODUCER_REGISTERS, "decrease")
     for x, (src, dst) in enumerate(side_copies):
       plgpu.copy_gmem_to_smem(src, dst, side_bars.at[x])
     wait_side()
@@ -313,7 +342,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    _set_registers(p, _CONSUMER_REGISTERS, "increase")
     row0 = i * p.block_q + wg * _BQ
     qo = smem["qo"].at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _BQ), n], qo, smem["q_bars"].at[wg])
@@ -354,7 +383,10 @@ def _produce(p: Plan, side, smem, gmem, kv_at, b, h, count):
       plgpu.copy_gmem_to_smem(gmem["kv_rows"].at[:, rows], smem["kv_rows"].at[slot],
                               smem["rows_bars"].at[slot])
 
-  for k in range(_STAGES):
+  # without block tables every tile is visited: count is static, and a copy past the
+  # last tile must not be traced (its slice would be out of bounds)
+  first = _STAGES if "table" in side.smem else min(_STAGES, p.S_padded // bk)
+  for k in range(first):
     @pl.when(k < count)
     def _():
       copy_k(k, k)
@@ -417,10 +449,7 @@ def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
     plgpu.barrier_wait(smem["v_bars"].at[slot])
     plgpu.barrier_wait(schedule)  # the other consumer's P V issued: the tensor cores free
 
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, probs, smem["v"].at[slot])
-
-    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    acc = _mma_from_registers(p, acc, probs, smem["v"].at[slot], smem, (wg,))  # acc += P V
     plgpu.barrier_arrive(smem["v_free"].at[slot])
     return acc, m_next, l
 
@@ -464,12 +493,10 @@ def _dkv(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
     scratch["q_rows"] = plgpu.SMEM((_STAGES, shapes["q_rows"][0], bq), jnp.int32)
   body = functools.partial(_dkv_kernel, p=p, tm=tm, where=where, Gt=Gt)
   shape = jax.ShapeDtypeStruct(k.shape, dtype)
-  return plgpu.kernel(
-      body, out_type=(shape, shape), scratch_types=scratch,
-      grid=(p.S_padded // p.block_kv, p.K, p.B), grid_names=("j", "h", "b"),
-      num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name="jattn_flex_mgpu_ws_dkv",
-      compiler_params=plgpu.CompilerParams(approx_math=True))(
-          q, k, v, do, lse, delta, *arrays)
+  if p.interpret:  # P^T and dS^T through SMEM (`_mma_from_registers`)
+    scratch["spill"] = ref._tile_smem((_CONSUMERS, 2, _BQ, bq), dtype)
+  return _launch(p, body, (shape, shape), scratch, (p.S_padded // p.block_kv, p.K, p.B),
+                 ("j", "h", "b"), "jattn_flex_mgpu_ws_dkv")(q, k, v, do, lse, delta, *arrays)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
@@ -509,7 +536,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    _set_registers(p, _PRODUCER_REGISTERS, "decrease")
     for x, (src, dst) in enumerate(copies):
       plgpu.copy_gmem_to_smem(src, dst, side_bars.at[x])
     wait_side()
@@ -543,7 +570,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    _set_registers(p, _CONSUMER_REGISTERS, "increase")
     keys = pl.ds(j * p.block_kv + wg * _BQ, _BQ)
     k_s, v_s = smem["k"].at[wg], smem["v"].at[wg]
     plgpu.copy_gmem_to_smem(k_ref.at[b, h, keys], k_s, smem["own_bars"].at[wg])
@@ -580,14 +607,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
             view, side, b, n, i, tile, s * p.scale, dp, lse, delta, slot, True, full))
         probs, ds = probs.astype(k_s.dtype), ds.astype(k_s.dtype)
 
-        def dv_step(acc_ref):  # dV += P^T dO
-          plgpu.wgmma(acc_ref, probs, smem["do"].at[slot])
-
-        def dk_step(acc_ref):  # dK += dS^T q
-          plgpu.wgmma(acc_ref, ds, smem["q"].at[slot])
-
-        dv = pl.run_state(dv_step)(plgpu.ACC.init(dv))
-        dk = pl.run_state(dk_step)(plgpu.ACC.init(dk))
+        dv = _mma_from_registers(p, dv, probs, smem["do"].at[slot], smem, (wg, 0))  # P^T dO
+        dk = _mma_from_registers(p, dk, ds, smem["q"].at[slot], smem, (wg, 1))  # dS^T q
         plgpu.barrier_arrive(smem["free"].at[slot])
         return dk, dv
 
