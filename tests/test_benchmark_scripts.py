@@ -3,6 +3,7 @@ this CPU): nobody here can run them for real, so this is what keeps them from ro
 until a TPU or GPU owner does. Slow tier: each script compiles a dozen programs."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -109,3 +110,19 @@ def test_the_gpu_check_reruns_the_failed_tests_by_node_id(tmp_path):
                            capture_output=True, text=True, timeout=60)
   assert refused.returncode == 2, refused.stdout[-2000:]
   assert f"--failed-from {clean}: its tests stage lists no failed test" in refused.stderr
+
+
+@pytest.mark.thorough
+@pytest.mark.skipif(tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11),
+                    reason="the rehearsal interprets flex_mgpu (jax >= 0.11's GPU interpreter)")
+def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
+  """tools/mgpu_fast_check.py --smoke: the flex_mgpu_ws check end to end, the interpreted
+  flex_mgpu standing in for the compiled-only fast path (about 150 s here)."""
+  done = subprocess.run([sys.executable, str(ROOT / "tools" / "mgpu_fast_check.py"), "--smoke",
+                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads((tmp_path / "mgpu_fast_check.json").read_text())
+  assert result["values"] and all(r["passed"] for r in result["values"]), result["values"]
+  assert {r["pass_"] for r in result["speed"]} == {"fwd", "fwd+bwd"}, result["speed"]
+  assert not result["errors"] and not result["skipped"], result["errors"]

@@ -10,15 +10,20 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    reference (tests/reference.py) for causal, 16 documents, a sliding window, soft-cap,
    ALiBi, chunked, prefix-LM, grouped heads (N = 8, K = 2), T != S, unaligned T, a fully
    masked row and max logits; the gradient (its backward is flex_mgpu's) for one case;
-   the interpretable flex_mgpu, compiled, beside it on two cases. Error bound: 4 x the
+   the interpretable flex_mgpu, compiled, beside it on causal; the gradient (flex_mgpu's
+   backward kernels), and with the warp-specialised dq and dk/dv kernels
+   (flex_mgpu.ws_dq, ws_dkv: "flex_mgpu_ws:bwd"). Error bound: 4 x the
    error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
 2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
    left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
-   flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), torch FlexAttention (compiled; its
+   flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), jax's attention_mgpu (causal, float16),
+   torch FlexAttention (compiled; its
    FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
    rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
-   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's).
-Each case's failure is caught, printed and recorded; the next case runs. New work stops
+   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's; ":bwd" with the
+   warp-specialised dq and dk/dv kernels).
+Order: causal's values, its forward times at T = 4096, the other values, the gradients,
+the other timings. Each case's failure is caught, printed and recorded; the next case runs. New work stops
 starting after --deadline seconds. JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
 """
 
@@ -99,12 +104,9 @@ def _f64(x):
   return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
-def check_values(args, out, deadline, impls):
+def check_values(args, out, deadline, impls, names):
   B, N, H = 2, 8, (32 if args.smoke else 128)
   cases = value_cases(N)
-  # the smoke run: cases without per-token arrays (their shapes are the card's)
-  names = (["causal", "sliding_window_100", "fully_masked_rows"] if args.smoke
-           else list(cases))
   rng = np.random.default_rng(0)
   for name in names:
     T, S, K, kw, allowed, score = cases[name]
@@ -125,7 +127,7 @@ def check_values(args, out, deadline, impls):
       want_lse = np.log(np.sum(np.exp(masked), -1))  # [B, N, T]
     seen = np.isfinite(want_lse)
     tol = 4 * float(np.max(np.abs(_f64(jnp.asarray(want, jnp.bfloat16)) - want)))
-    for impl in impls if name in ("causal", "documents_4", "sliding_window_100") else impls[:1]:
+    for impl in impls if name == "causal" else impls[:1]:
       if time.perf_counter() > deadline:
         out["skipped"].append(dict(stage="values", case=name, impl=impl))
         continue
@@ -152,8 +154,10 @@ def check_values(args, out, deadline, impls):
       out["values"].append(row)
 
 
-def check_grad(args, out, deadline, impl):
-  """d sum(out * g) / d q, k, v of causal GQA against the float64 analytic gradient."""
+def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcontext):
+  """d sum(out * g) / d q, k, v of causal GQA against the float64 analytic gradient;
+  context(): planned inside it (flex_mgpu.ws_dq for the warp-specialised dq kernel)."""
+  label = label or impl
   if time.perf_counter() > deadline:
     out["skipped"].append(dict(stage="grad", impl=impl))
     return
@@ -163,7 +167,7 @@ def check_grad(args, out, deadline, impl):
                 ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
   start = time.perf_counter()
   try:
-    with _context(args):
+    with _context(args), context():
       loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
           q, k, v, implementation=impl, is_causal=True).astype(jnp.float32) * g.astype(
               jnp.float32))
@@ -171,13 +175,13 @@ def check_grad(args, out, deadline, impl):
     want = _grads(*(_f64(x) for x in (q, k, v, g)))
     errs = [float(np.max(np.abs(_f64(a) - b)) / np.max(np.abs(b))) for a, b in zip(got, want)]
     ok = max(errs) < 2e-2  # bfloat16 inputs and dq, dk, dv: relative to the largest entry
-    row = dict(case="causal_gqa_8_2_grad", impl=impl, rel_err=errs, passed=ok,
+    row = dict(case="causal_gqa_8_2_grad", impl=label, rel_err=errs, passed=ok,
                seconds=round(time.perf_counter() - start, 1))
-    say(f"[grad]   causal GQA 8/2 {impl}: {'ok' if ok else 'FAIL'} relative errors dq, dk, dv "
+    say(f"[grad]   causal GQA 8/2 {label}: {'ok' if ok else 'FAIL'} relative errors dq, dk, dv "
         f"{', '.join(f'{e:.3g}' for e in errs)} (bound 2e-2)")
   except Exception as e:  # noqa: BLE001
-    row = dict(case="causal_gqa_8_2_grad", impl=impl, passed=False, error=_error(e))
-    say(f"[grad]   {impl} ERROR {row['error'][:600]}")
+    row = dict(case="causal_gqa_8_2_grad", impl=label, passed=False, error=_error(e))
+    say(f"[grad]   {label} ERROR {row['error'][:600]}")
   out["values"].append(row)
 
 
@@ -205,23 +209,23 @@ def _grads(q, k, v, g):
 
 
 def speed_jobs(lengths):
-  """(T, case, backward) in the order they run: the forward cases at the first length,
-  causal forward + backward there, then the forward cases at the other lengths."""
+  """(T, case, backward) in the order they run: at the first length causal forward,
+  causal forward + backward, 16 documents and soft-cap forward; then the forward cases at
+  the other lengths."""
   jobs = []
   for x, T in enumerate(lengths):
-    jobs += [(T, case, False) for case in ("causal", "documents", "soft_cap")]
-    if x == 0:
-      jobs.append((T, "causal", True))
+    jobs += [(T, "causal", False)] + [(T, "causal", True)] * (x == 0)
+    jobs += [(T, case, False) for case in ("documents", "soft_cap")]
   return jobs
 
 
-def measure_speed(args, out, deadline, impls):
+def measure_speed(args, out, deadline, impls, jobs):
   torch_device, note = bench._torch_device(argparse.Namespace(torch=True, smoke=args.smoke))
   out["torch"] = note
   say(f"[speed] torch: {note}")
   N, H = (2, 32) if args.smoke else (16, 128)
   inputs = {}
-  for T, case, backward in speed_jobs(args.lengths):
+  for T, case, backward in jobs:
     pass_ = "fwd+bwd" if backward else "fwd"
     if time.perf_counter() > deadline:
       out["skipped"].append(dict(stage="speed", T=T, case=case, pass_=pass_))
@@ -231,14 +235,13 @@ def measure_speed(args, out, deadline, impls):
     if T not in inputs:
       inputs = {T: bench._inputs(B, T, N, H, "bfloat16", torch_device)}  # one length held
     jx, th = inputs[T]
-    contenders = _jax_contenders(case, B, T, N, impls, args.smoke)
-    if backward:  # the kv tile variant and the mask_mod spelling: forward only
-      contenders = {n: f for n, f in contenders.items() if ":" not in n}
+    contenders = _jax_contenders(case, B, T, N, impls, args.smoke, backward)
     timers = {}
     for name, fn in contenders.items():
       if time.perf_counter() > deadline:
         break
-      timers[name] = _timer(out, T, case, name, lambda: _make(args, fn, jx, backward))
+      given = tuple(x.astype(jnp.float16) for x in jx) if name.endswith(":f16") else jx
+      timers[name] = _timer(out, T, case, name, lambda: _make(args, fn, given, backward))
     if th is not None and time.perf_counter() < deadline:
       for name, fn in _torch_contenders(case, B, T, N, torch_device, out, backward).items():
         if time.perf_counter() > deadline:
@@ -262,27 +265,48 @@ def measure_speed(args, out, deadline, impls):
           f"{row['tflops']:6.1f} TFLOP/s{ratio}")
 
 
-def _jax_contenders(case, B, T, N, impls, smoke):
+def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
+  """name -> fn(q, k, v) [B, T, N, H]: the fast path's variants ("flex_mgpu_ws:kv64" its
+  64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels), the reference (causal
+  only: the interpreted design's cost), flex_gpu and cuDNN (causal)."""
   ids = jnp.asarray(np.repeat(np.arange(bench.DOCUMENTS), -(-T // bench.DOCUMENTS))[:T][
       None].repeat(B, 0))
   kw = {"causal": dict(is_causal=True), "documents": dict(mask_mod=mods.document(ids)),
         "soft_cap": dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP))}[case]
   attend = lambda impl, extra=None: (lambda q, k, v: jattn.dot_product_attention(
       q, k, v, implementation=impl, **(extra or kw)))
-  out = {impl: attend(impl) for impl in impls}
-  if case == "causal":
-    out[f"{impls[0]}:mask_mod"] = attend(impls[0], dict(mask_mod=mods.causal()))
-  if FAST in impls:  # its other kv tile (64 keys; 128 is the default at H = 128)
-    def kv64(q, k, v):
-      with flex_mgpu.ws_kv_tile(64):
+  out = {impls[0]: attend(impls[0])}
+  if FAST in impls and backward:
+    def fast_backward(q, k, v):
+      with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
         return attend(FAST)(q, k, v)
-    out[f"{FAST}:kv64"] = kv64
+    out[f"{FAST}:bwd"] = fast_backward
+  if case == "causal" and not backward:
+    out[f"{impls[0]}:mask_mod"] = attend(impls[0], dict(mask_mod=mods.causal()))
+    if FAST in impls:
+      def kv64(q, k, v):
+        with flex_mgpu.ws_kv_tile(64):
+          return attend(FAST)(q, k, v)
+      out[f"{FAST}:kv64"] = kv64
+  if case == "causal" or smoke:
+    out.update({impl: attend(impl) for impl in impls[1:]})
   if not smoke:
     out["flex_gpu"] = attend("flex_gpu")
     if case == "causal":
       out["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, implementation="cudnn", is_causal=True)
+      if not backward:  # the same design, jax's (its causal backward is not written)
+        out["jax_attention_mgpu:f16"] = _jax_attention_mgpu
   return out
+
+
+def _jax_attention_mgpu(q, k, v):
+  """jax's own FlashAttention-3 kernel on Mosaic GPU (causal; it takes float16 here:
+  the timer hands it float16 copies of the inputs), the design's reference point."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                       causal=True)
+  return attention_mgpu.attention(q, k, v, config)
 
 
 def _torch_contenders(case, B, T, N, device, out, backward=False):
@@ -307,6 +331,12 @@ def _flash(flex, q, k, v):
   cells = {c: x.cell_contents for c, x in zip(flex.__code__.co_freevars, flex.__closure__)}
   return cells["flex"](q, k, v, score_mod=cells["score"], block_mask=cells["block_mask"],
                        kernel_options={"BACKEND": "FLASH"})
+
+
+@contextlib.contextmanager
+def _fast_backward():
+  with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+    yield
 
 
 def _make(args, fn, inputs, backward=False):
@@ -377,9 +407,19 @@ def main(argv=None):
   say(f"[mgpu_fast_check] jax {jax.__version__} on {out['device']}, torch "
       f"{out['torch_version']}; deadline {args.deadline:.0f} s")
   try:
-    check_values(args, out, deadline, impls)
+    # the most telling first, should the deadline cut the rest: causal's values, its
+    # forward time at the first length, the other values, the gradients, the other times
+    names = list(value_cases(8))
+    if args.smoke:  # cases without per-token arrays (their shapes are the card's)
+      names = ["causal", "sliding_window_100", "fully_masked_rows"]
+    jobs = speed_jobs(args.lengths)
+    check_values(args, out, deadline, impls, names[:1])
+    measure_speed(args, out, deadline, impls, jobs[:1])
+    check_values(args, out, deadline, impls, names[1:])
     check_grad(args, out, deadline, impls[0])
-    measure_speed(args, out, deadline, impls)
+    if FAST in impls:  # its warp-specialised dq and dk/dv kernels
+      check_grad(args, out, deadline, FAST, f"{FAST}:bwd", _fast_backward)
+    measure_speed(args, out, deadline, impls, jobs[1:])
   finally:
     out["seconds"] = round(time.perf_counter() - start, 1)
     bad = [r for r in out["values"] if not r.get("passed")]

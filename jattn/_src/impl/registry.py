@@ -136,11 +136,11 @@ IMPLEMENTATIONS = {
     "flex_mgpu": Implementation(  # jattn's own GPU kernel on Mosaic GPU (Hopper): the same mods
         "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu_call.run, platforms=("cuda",),
         interpretable=True),
-    # its warp-specialised forward (FlashAttention-3's design), compiled only: run where
-    # named, never chosen by implementation=None until a card's figures place it
+    # its warp-specialised forward (FlashAttention-3's design): run where named, never
+    # chosen by implementation=None until the dispatch follows the card's figures
     "flex_mgpu_ws": Implementation(
         "flex_mgpu_ws", _flex_plan(flex_mgpu, fast=True), flex_mgpu_call.run_ws,
-        platforms=("cuda",)),
+        platforms=("cuda",), interpretable=True),
 }
 # "ring" and "context_parallel" are no entries: each is a shard_map over the context mesh
 # around the blockwise loop (jattn/_src/parallel/ring.py), chosen only by name.

@@ -64,6 +64,8 @@ class Plan(kernel_plan.TilePlan):
   offsets: bool = False  # global positions from a ring step's offsets: not wired
   max_logits: bool = False  # the forward also writes each row's running max m
   fast: bool = False  # "flex_mgpu_ws": the warp-specialised forward (flex_mgpu_ws.py)
+  fast_dq: bool = False  # ... and its warp-specialised dq kernel (`ws_dq`)
+  fast_dkv: bool = False  # ... and its warp-specialised dk/dv kernel (`ws_dkv`)
 
   @property
   def H_padded(self) -> int:  # E: both heads, so the output tile reuses the query's SMEM
@@ -99,17 +101,13 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   block_mask's tiles, unused (the tiles are 64 x 64; the classes are recomputed).
   interpret: run the kernels in the Mosaic GPU interpreter (any backend, for tests).
   return_max_logits: the forward also returns each row's largest visible logit.
-  fast: plan "flex_mgpu_ws", the warp-specialised forward (compiled only, Hopper only;
-  its backward is this kernel's).
+  fast: plan "flex_mgpu_ws", the warp-specialised forward (Hopper only; interpreted with
+  its register operands through SMEM; its backward is this kernel's unless ws_dq / ws_dkv).
   """
   del block_q, block_kv
   m = modifiers
-  if fast:  # before the interpreter's absence: this path never runs interpreted
-    reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws") or (
-        interpret and (
-            "the warp-specialised forward runs compiled only (the GPU interpreter runs no "
-            "setmaxnreg, register operand of wgmma or carried accumulator); 'flex_mgpu' is "
-            "its interpretable reference"))
+  if fast:
+    reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws")
     if reason:
       return reason
   reason = compat.missing("pallas_mosaic_gpu") or (
@@ -145,7 +143,10 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            skip=facts.has_mask or bool(st.is_causal) or window is not None,
            q_lengths=st.q_lengths is not None, kv_lengths=st.kv_lengths is not None,
            segments=st.q_segment_ids is not None, mask_rows=facts.mask_rows,
-           score_reads=facts.score_reads, max_logits=bool(return_max_logits), fast=fast)
+           score_reads=facts.score_reads, max_logits=bool(return_max_logits), fast=fast,
+           # the fast backward kernels' tiles fit SMEM up to E = 128
+           fast_dq=fast and E <= 128 and bool(_WS_DQ.get()),
+           fast_dkv=fast and E <= 128 and bool(_WS_DKV.get()))
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
 
 
@@ -157,6 +158,35 @@ def _ws_kv_tile(E: int) -> int:
   """The fast forward's kv tile: 128 keys up to E = 128 (K and V slots 128 KiB of SMEM,
   S 64 registers per consumer thread), else 64. NOT MEASURED on a GPU."""
   return _WS_KV_TILE.get() or (128 if E <= 128 else 64)
+
+
+# "flex_mgpu_ws" with its warp-specialised dq kernel when set (`ws_dq`): NOT YET RUN on a GPU
+_WS_DQ = contextvars.ContextVar("flex_mgpu_ws_dq", default=False)
+
+
+@contextlib.contextmanager
+def ws_dq():
+  """"flex_mgpu_ws" calls planned in this block take their dq from the warp-specialised
+  dq kernel (compiled deviceless; until a card checks it, off by default)."""
+  token = _WS_DQ.set(True)
+  try:
+    yield
+  finally:
+    _WS_DQ.reset(token)
+
+
+_WS_DKV = contextvars.ContextVar("flex_mgpu_ws_dkv", default=False)
+
+
+@contextlib.contextmanager
+def ws_dkv():
+  """"flex_mgpu_ws" calls planned in this block take dk, dv from the warp-specialised
+  dk/dv kernel (compiled deviceless; until a card checks it, off by default)."""
+  token = _WS_DKV.set(True)
+  try:
+    yield
+  finally:
+    _WS_DKV.reset(token)
 
 
 @contextlib.contextmanager

@@ -21,11 +21,14 @@ Both consumers visit the same kv tiles: the non-EMPTY tiles of the 128-row span 
 block classes at tiles of 128 x bk); a FULL tile runs without the mask functions.
 q, k, v are read in [B, T, N, E] order by strided TMA boxes (for the default "BTNH"
 layout with aligned T and E no transpose pass), the output written likewise.
-The backward is the reference kernels' (`flex_mgpu_kernels.backward`, 64 x 64 tiles).
+The backward is the reference kernels' (`flex_mgpu_kernels.backward`, 64 x 64 tiles), or
+inside `flex_mgpu.ws_dq()` / `ws_dkv()` the warp-specialised `_dq` / `_dkv` below.
 
 The GPU interpreter runs neither register operands of `wgmma`, an accumulator carried
-by `pl.run_state`, nor `setmaxnreg`, so this path is never interpreted: the
-interpretable "flex_mgpu" is its reference, on the CPU and on the card.
+by `pl.run_state`, nor `setmaxnreg`: in interpret mode (tests on a CPU) the register
+operand goes through SMEM into a fresh accumulator and `setmaxnreg` is skipped
+(`_mma_from_registers`, `_set_registers`); the warpgroups, barriers, tables and side
+inputs are the compiled kernels' own.
 """
 
 from __future__ import annotations
@@ -41,10 +44,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import flex_mgpu_kernels as ref
-from jattn._src.kernels.kernel_inputs import pad_to
+from jattn._src.kernels.kernel_inputs import pad_to, to_tiles
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 
 if TYPE_CHECKING:
@@ -59,6 +63,36 @@ _WGMMA = plgpu.Layout.WGMMA
 # registers per thread after setmaxnreg: 2 x 232 + 40 (x 128 threads) <= 64K
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
+
+
+def _launch(p: Plan, body, out_type, scratch, grid, names, kernel_name):
+  """plgpu.kernel with a producer and two consumer warpgroups; in interpret mode the GPU
+  interpreter with race detection."""
+  interpret = plgpu.InterpretGPUParams(detect_races=True) if p.interpret else None
+  params = None if p.interpret else plgpu.CompilerParams(approx_math=True)
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
+                      grid_names=names, num_threads=_CONSUMERS + 1, thread_name="wg",
+                      kernel_name=kernel_name, compiler_params=params, interpret=interpret)
+
+
+def _set_registers(p: Plan, n: int, action: str):
+  if not p.interpret:  # the interpreter has no register file to divide
+    plgpu.set_max_registers(n, action=action)
+
+
+def _mma_from_registers(p: Plan, acc, a, b, smem, spill_at):
+  """acc + a @ b on the tensor cores: a [64, K] 16-bit in registers, b an SMEM ref, acc
+  float32 [64, N] carried in registers (`pl.run_state`). The GPU interpreter runs neither
+  a register operand nor a carried accumulator: there a goes through SMEM
+  (smem["spill"].at[spill_at]) into a fresh accumulator, added in registers."""
+  if not p.interpret:
+    def step(acc_ref):
+      plgpu.wgmma(acc_ref, a, b)
+    return pl.run_state(step)(plgpu.ACC.init(acc))
+  spill = smem["spill"].at[spill_at]
+  spill[...] = a
+  plgpu.commit_smem()
+  return acc + ref._mma(spill, b, acc.shape)
 
 
 # ---------------------------------------------------------------- the call
@@ -95,20 +129,138 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
     scratch["max"] = plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32)
     out_type += (rows,)
   body = functools.partial(_kernel, p=p, tm=tm, where=where, arrays=arrays)
-  out, lse, *max_logits = plgpu.kernel(
-      body, out_type=out_type, scratch_types=scratch,
-      grid=(p.T_padded // p.block_q, p.N, p.B), grid_names=("i", "n", "b"),
-      num_threads=_CONSUMERS + 1, thread_name="wg", kernel_name="jattn_flex_mgpu_ws_fwd",
-      compiler_params=plgpu.CompilerParams(approx_math=True))(q, k, v, *arrays)
+  if p.interpret:  # P through SMEM (`_mma_from_registers`)
+    scratch["spill"] = ref._tile_smem((_CONSUMERS, _BQ, p.block_kv), dtype)
+  out, lse, *max_logits = _launch(
+      p, body, out_type, scratch, (p.T_padded // p.block_q, p.N, p.B), ("i", "n", "b"),
+      "jattn_flex_mgpu_ws_fwd")(q, k, v, *arrays)
   out = jnp.einsum(f"BTND->{lay.out}", out[:, :p.T, :, :p.D])
   max_logits = max_logits[0][:, :, :p.T] if max_logits else None
   return without_batch(out, layout), lse[:, :, :p.T], max_logits
 
 
 def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
-  """The reference kernels' dq and dk/dv (64 x 64 tiles), from this forward's out, lse."""
+  """dq, dk, dv: the reference kernels' (64 x 64 tiles), from this forward's out and lse;
+  with `p.fast_dq` / `p.fast_dkv` by the warp-specialised `_dq` / `_dkv` instead."""
   slow = dataclasses.replace(p, fast=False, block_q=_BQ, block_kv=_BQ)
-  return ref.backward(slow, layout, query, key, value, modifiers, out, lse, d_out)
+  if not (p.fast_dq or p.fast_dkv):
+    return ref.backward(slow, layout, query, key, value, modifiers, out, lse, d_out)
+  lay = batched(layout)
+  q, k, v = to_tiles(slow, layout, query, key, value)  # [B, N|K, T'|S', E], 64-multiples
+  o = jnp.einsum(f"{lay.out}->BNTD", with_batch(out, layout)).astype(jnp.float32)
+  do = jnp.einsum(f"{lay.out}->BNTD", with_batch(d_out, layout))
+  delta = jnp.sum(o * do.astype(jnp.float32), axis=-1)  # [B, N, T]
+  do = pad_to(do.astype(q.dtype), 3, p.H_padded)
+  rows = lambda x, plan: pad_to(x, 2, plan.T_padded)
+
+  def prepared(plan, drop):
+    tm, where, arrays = ref._prepare(plan, modifiers)
+    keep = [name != drop for name in where.names]
+    where = dataclasses.replace(where, names=tuple(n for n, x in zip(where.names, keep) if x))
+    return tm, where, [a for a, x in zip(arrays, keep) if x]
+
+  if p.fast_dq:  # 128-row programs, 64-key tiles
+    fast = dataclasses.replace(p, block_kv=_BQ)
+    dq = _dq(fast, *prepared(fast, "q_table"), rows(q, fast), k, v, rows(do, fast),
+             rows(lse, fast), rows(delta, fast))
+  else:
+    dq = ref._dq(slow, *ref._prepare(slow, modifiers), q, k, v, rows(do, slow),
+                 rows(lse, slow), rows(delta, slow))
+  if p.fast_dkv:  # 64-row query tiles, 128-key programs
+    fast = dataclasses.replace(p, block_q=_BQ)
+    pad = lambda x: pad_to(x, 2, fast.S_padded)
+    dk, dv = _dkv(fast, *prepared(fast, "kv_table"), q, pad(k), pad(v), rows(do, slow),
+                  rows(lse, slow), rows(delta, slow))
+  else:
+    dk, dv = ref._dkv(slow, *ref._prepare(slow, modifiers), q, k, v, rows(do, slow),
+                      rows(lse, slow), rows(delta, slow))
+  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
+  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
+  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
+  if not layout.has_batch:
+    dq, dk, dv = dq[0], dk[0], dv[0]
+  return dq, dk, dv, None
+
+
+def _dq(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
+  """dq [B, N, T', E] (q's dtype) by the warp-specialised kernel: a program per 128 query
+  rows (two consumers of 64), the producer streaming K, V tiles of 64 keys."""
+  E, dtype, bk = p.H_padded, q.dtype, p.block_kv
+  scratch = dict(
+      q=ref._tile_smem((_CONSUMERS, _BQ, E), dtype), do=ref._tile_smem((_CONSUMERS, _BQ, E), dtype),
+      k=ref._tile_smem((_STAGES, bk, E), dtype), v=ref._tile_smem((_STAGES, bk, E), dtype),
+      lse=plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32),
+      delta=plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32),
+      own_bars=plgpu.Barrier(num_barriers=4 * _CONSUMERS),
+      k_bars=plgpu.Barrier(num_barriers=_STAGES), v_bars=plgpu.Barrier(num_barriers=_STAGES),
+      k_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+      v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+      **_side_scratch(where, arrays, bk))
+  body = functools.partial(_dq_kernel, p=p, tm=tm, where=where, arrays=arrays)
+  if p.interpret:  # dS through SMEM (`_mma_from_registers`)
+    scratch["spill"] = ref._tile_smem((_CONSUMERS, _BQ, bk), dtype)
+  return _launch(p, body, jax.ShapeDtypeStruct(q.shape, dtype), scratch,
+                 (p.T_padded // p.block_q, p.N, p.B), ("i", "n", "b"),
+                 "jattn_flex_mgpu_ws_dq")(q, k, v, do, lse, delta, *arrays)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
+               arrays, **smem):
+  kv_at = lambda x, b, h, rows: (k_ref if x == "k" else v_ref).at[b, h, rows]
+  gmem, outs, (i, n, b, wg), side, wait_side, count = _program(
+      p, tm, where, arrays, refs, smem, kv_at)
+  (dq_ref,) = outs
+  bk, E = p.block_kv, p.H_padded
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    _set_registers(p, _CONSUMER_REGISTERS, "increase")
+    rows = pl.ds(i * p.block_q + wg * _BQ, _BQ)
+    bars = smem["own_bars"]
+    for x, (src, name) in enumerate(((q_ref, "q"), (do_ref, "do"), (lse_ref, "lse"),
+                                     (delta_ref, "delta"))):
+      plgpu.copy_gmem_to_smem(src.at[b, n, rows], smem[name].at[wg],
+                              bars.at[x * _CONSUMERS + wg])
+    wait_side()
+    for x in range(4):
+      plgpu.barrier_wait(bars.at[x * _CONSUMERS + wg])
+    side_c = _consumer_side(p, tm, where, gmem, smem, wg)
+    view = dataclasses.replace(p, block_q=_BQ)
+    tile = i * _CONSUMERS + wg
+    q_s, do_s = smem["q"].at[wg], smem["do"].at[wg]
+    lse = compat.mgpu_load(smem["lse"].at[wg], _WGMMA.reduce(1))
+    delta = compat.mgpu_load(smem["delta"].at[wg], _WGMMA.reduce(1))
+
+    def body(k, dq):
+      slot = lax.rem(k, _STAGES)
+      j, full = side_c.step(k)
+      plgpu.barrier_wait(smem["k_bars"].at[slot])
+      plgpu.barrier_wait(smem["v_bars"].at[slot])
+
+      def products(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, q_s, smem["k"].at[slot].T)
+        plgpu.wgmma(dp_ref, do_s, smem["v"].at[slot].T)  # dP = dO v^T
+        return s_ref[...], dp_ref[...]
+
+      s, dp = pl.run_scoped(products, plgpu.ACC((_BQ, bk), jnp.float32),
+                            plgpu.ACC((_BQ, bk), jnp.float32))
+      if "rows_bars" in smem:
+        plgpu.barrier_wait(smem["rows_bars"].at[slot])
+      _, ds = ref._by_class(full, lambda full: ref._tile_grads(
+          view, side_c, b, n, tile, j, s * p.scale, dp, lse, delta, slot, False, full))
+      plgpu.barrier_arrive(smem["v_free"].at[slot])  # V and the key-side rows read
+      ds = ds.astype(q_s.dtype)
+
+      dq = _mma_from_registers(p, dq, ds, smem["k"].at[slot], smem, (wg,))  # dQ += dS k
+      plgpu.barrier_arrive(smem["k_free"].at[slot])
+      return dq
+
+    dq = lax.fori_loop(0, count(), body,
+                       plgpu.layout_cast(jnp.zeros((_BQ, E), jnp.float32), _WGMMA))
+    q_s[...] = dq.astype(q_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, n, rows])
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _side_scratch(where, arrays, bk: int) -> dict:
@@ -165,7 +317,7 @@ def _program(p: Plan, tm, where, arrays, refs, smem, kv_at):
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    _set_registers(p, _PRODUCER_REGISTERS, "decrease")
     for x, (src, dst) in enumerate(side_copies):
       plgpu.copy_gmem_to_smem(src, dst, side_bars.at[x])
     wait_side()
@@ -190,7 +342,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
-    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    _set_registers(p, _CONSUMER_REGISTERS, "increase")
     row0 = i * p.block_q + wg * _BQ
     qo = smem["qo"].at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _BQ), n], qo, smem["q_bars"].at[wg])
@@ -231,7 +383,10 @@ def _produce(p: Plan, side, smem, gmem, kv_at, b, h, count):
       plgpu.copy_gmem_to_smem(gmem["kv_rows"].at[:, rows], smem["kv_rows"].at[slot],
                               smem["rows_bars"].at[slot])
 
-  for k in range(_STAGES):
+  # without block tables every tile is visited: count is static, and a copy past the
+  # last tile must not be traced (its slice would be out of bounds)
+  first = _STAGES if "table" in side.smem else min(_STAGES, p.S_padded // bk)
+  for k in range(first):
     @pl.when(k < count)
     def _():
       copy_k(k, k)
@@ -294,10 +449,7 @@ def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
     plgpu.barrier_wait(smem["v_bars"].at[slot])
     plgpu.barrier_wait(schedule)  # the other consumer's P V issued: the tensor cores free
 
-    def pv(acc_ref):
-      plgpu.wgmma(acc_ref, probs, smem["v"].at[slot])
-
-    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+    acc = _mma_from_registers(p, acc, probs, smem["v"].at[slot], smem, (wg,))  # acc += P V
     plgpu.barrier_arrive(smem["v_free"].at[slot])
     return acc, m_next, l
 
@@ -308,3 +460,167 @@ def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
   out = lax.fori_loop(0, count, body, init)
   pl.when(wg == 0)(take_turn)
   return out
+
+
+# ---------------------------------------------------------------- dk, dv
+
+
+def _dkv(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
+  """(dk, dv) [B, K, S', E] (k's dtype) by the warp-specialised kernel: a program per 128
+  keys of kv head h (two consumers of 64), the producer streaming, for each of the G query
+  heads of h, its non-EMPTY 64-row query tiles (q, dO, lse, delta and the query-side rows)
+  through the stage ring; dV += P^T dO and dK += dS^T q with P^T, dS^T from registers.
+  p: block_q 64 (query tiles), block_kv 128 (the program's keys)."""
+  E, dtype, bq, G = p.H_padded, q.dtype, p.block_q, p.N // p.K
+  shapes = dict(zip(where.names, (a.shape for a in arrays)))
+  Gt = G if "q_table" in shapes and shapes["q_table"][1] > 1 else 1  # table rows held
+  scratch = dict(
+      k=ref._tile_smem((_CONSUMERS, _BQ, E), dtype), v=ref._tile_smem((_CONSUMERS, _BQ, E), dtype),
+      q=ref._tile_smem((_STAGES, bq, E), dtype), do=ref._tile_smem((_STAGES, bq, E), dtype),
+      lse=plgpu.SMEM((_STAGES, bq), jnp.float32), delta=plgpu.SMEM((_STAGES, bq), jnp.float32),
+      own_bars=plgpu.Barrier(num_barriers=2 * _CONSUMERS),
+      in_bars=plgpu.Barrier(num_barriers=5 * _STAGES),  # q, dO, lse, delta, rows per slot
+      free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
+      side_bars=plgpu.Barrier(num_barriers=5))
+  if "q_table" in shapes:
+    scratch["tables"] = plgpu.SMEM((Gt, *shapes["q_table"][3:]), jnp.int32)
+  for name, kind in (("ints", jnp.int32), ("floats", jnp.float32)):
+    if name in shapes:
+      scratch[name] = plgpu.SMEM(shapes[name], kind)
+  if "kv_rows" in shapes:
+    scratch["kv_rows"] = plgpu.SMEM((_CONSUMERS, shapes["kv_rows"][0], _BQ), jnp.int32)
+  if "q_rows" in shapes:
+    scratch["q_rows"] = plgpu.SMEM((_STAGES, shapes["q_rows"][0], bq), jnp.int32)
+  body = functools.partial(_dkv_kernel, p=p, tm=tm, where=where, Gt=Gt)
+  shape = jax.ShapeDtypeStruct(k.shape, dtype)
+  if p.interpret:  # P^T and dS^T through SMEM (`_mma_from_registers`)
+    scratch["spill"] = ref._tile_smem((_CONSUMERS, 2, _BQ, bq), dtype)
+  return _launch(p, body, (shape, shape), scratch, (p.S_padded // p.block_kv, p.K, p.B),
+                 ("j", "h", "b"), "jattn_flex_mgpu_ws_dkv")(q, k, v, do, lse, delta, *arrays)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
+                Gt, **smem):
+  gmem = dict(zip(where.names, refs[:len(where.names)]))
+  dk_ref, dv_ref = refs[len(where.names):]
+  j = (p.S_padded // p.block_kv - 1) - lax.axis_index("j")  # heaviest first (causal)
+  h, b, wg = (lax.axis_index(a) for a in ("h", "b", "wg"))
+  G, bq = p.N // p.K, p.block_q
+  copies = []  # the side inputs, copied once
+  if "q_table" in gmem:
+    Bc = gmem["q_table"].shape[0]
+    heads = pl.ds(h * G if Gt > 1 else 0, Gt)
+    copies.append((gmem["q_table"].at[b if Bc > 1 else 0, heads, j], smem["tables"]))
+  for name in ("ints", "floats"):
+    if name in gmem:
+      copies.append((gmem[name], smem[name]))
+  if "kv_rows" in gmem:
+    for c in range(_CONSUMERS):
+      copies.append((gmem["kv_rows"].at[:, pl.ds(j * p.block_kv + c * _BQ, _BQ)],
+                     smem["kv_rows"].at[c]))
+  side_bars, bars = smem["side_bars"], smem["in_bars"]
+
+  def wait_side():
+    for x in range(len(copies)):
+      plgpu.barrier_wait(side_bars.at[x])
+
+  def head_side(g, rows_view=None):
+    mine = dict(smem)
+    if "tables" in smem:
+      mine["table"] = smem["tables"].at[g if Gt > 1 else 0]
+    if rows_view is not None:
+      mine["kv_rows"] = rows_view
+    return ref._Side(p, tm, where, gmem, mine, "s")
+
+  count = lambda side: side.count(p.T_padded // bq)
+
+  @pl.when(wg == _CONSUMERS)
+  def _producer():
+    _set_registers(p, _PRODUCER_REGISTERS, "decrease")
+    for x, (src, dst) in enumerate(copies):
+      plgpu.copy_gmem_to_smem(src, dst, side_bars.at[x])
+    wait_side()
+
+    def head(g, t0):
+      n, side = h * G + g, head_side(g)
+
+      def step(kk, carry):
+        t = t0 + kk
+        slot = lax.rem(t, _STAGES)
+
+        @pl.when(t >= _STAGES)
+        def _():
+          plgpu.barrier_wait(smem["free"].at[slot])
+
+        rows = pl.ds(side.step(kk)[0] * bq, bq)
+        for x, (src, name) in enumerate(((q_ref, "q"), (do_ref, "do"), (lse_ref, "lse"),
+                                         (delta_ref, "delta"))):
+          plgpu.copy_gmem_to_smem(src.at[b, n, rows], smem[name].at[slot],
+                                  bars.at[x * _STAGES + slot])
+        if "q_rows" in gmem:
+          plgpu.copy_gmem_to_smem(gmem["q_rows"].at[:, rows], smem["q_rows"].at[slot],
+                                  bars.at[4 * _STAGES + slot])
+        return carry
+
+      cnt = count(side)
+      lax.fori_loop(0, cnt, step, None)
+      return t0 + cnt
+
+    lax.fori_loop(0, G, head, jnp.int32(0))
+
+  @pl.when(wg < _CONSUMERS)
+  def _consumer():
+    _set_registers(p, _CONSUMER_REGISTERS, "increase")
+    keys = pl.ds(j * p.block_kv + wg * _BQ, _BQ)
+    k_s, v_s = smem["k"].at[wg], smem["v"].at[wg]
+    plgpu.copy_gmem_to_smem(k_ref.at[b, h, keys], k_s, smem["own_bars"].at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, h, keys], v_s, smem["own_bars"].at[_CONSUMERS + wg])
+    wait_side()
+    plgpu.barrier_wait(smem["own_bars"].at[wg])
+    plgpu.barrier_wait(smem["own_bars"].at[_CONSUMERS + wg])
+    view = dataclasses.replace(p, block_kv=_BQ)  # positions of this consumer's 64 keys
+    tile = j * _CONSUMERS + wg
+    rows_view = smem["kv_rows"].at[wg] if "kv_rows" in smem else None
+
+    def head(g, carry):
+      dk, dv, t0 = carry
+      n, side = h * G + g, head_side(g, rows_view)
+
+      def body(kk, carry):
+        dk, dv = carry
+        t = t0 + kk
+        slot = lax.rem(t, _STAGES)
+        i, full = side.step(kk)
+        for x in range(5 if "q_rows" in smem else 4):
+          plgpu.barrier_wait(bars.at[x * _STAGES + slot])
+
+        def products(s_ref, dp_ref):  # [64 keys, bq queries]: k q^T and v dO^T
+          plgpu.wgmma(s_ref, k_s, smem["q"].at[slot].T)
+          plgpu.wgmma(dp_ref, v_s, smem["do"].at[slot].T)
+          return s_ref[...], dp_ref[...]
+
+        s, dp = pl.run_scoped(products, plgpu.ACC((_BQ, bq), jnp.float32),
+                              plgpu.ACC((_BQ, bq), jnp.float32))
+        lse = compat.mgpu_load(smem["lse"].at[slot], _WGMMA.reduce(0))
+        delta = compat.mgpu_load(smem["delta"].at[slot], _WGMMA.reduce(0))
+        probs, ds = ref._by_class(full, lambda full: ref._tile_grads(
+            view, side, b, n, i, tile, s * p.scale, dp, lse, delta, slot, True, full))
+        probs, ds = probs.astype(k_s.dtype), ds.astype(k_s.dtype)
+
+        dv = _mma_from_registers(p, dv, probs, smem["do"].at[slot], smem, (wg, 0))  # P^T dO
+        dk = _mma_from_registers(p, dk, ds, smem["q"].at[slot], smem, (wg, 1))  # dS^T q
+        plgpu.barrier_arrive(smem["free"].at[slot])
+        return dk, dv
+
+      cnt = count(side)
+      dk, dv = lax.fori_loop(0, cnt, body, (dk, dv))
+      return dk, dv, t0 + cnt
+
+    zeros = lambda: plgpu.layout_cast(jnp.zeros((_BQ, p.H_padded), jnp.float32), _WGMMA)
+    dk, dv, _ = lax.fori_loop(0, G, head, (zeros(), zeros(), jnp.int32(0)))
+    k_s[...] = dk.astype(k_s.dtype)
+    v_s[...] = dv.astype(v_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, h, keys])
+    plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, h, keys])
+    plgpu.wait_smem_to_gmem(0)
