@@ -71,8 +71,9 @@ def dot_product_attention(
       linear in T and S, no weights), "cudnn" (jax.nn's fused GPU kernel),
       "splash" (jax's TPU splash kernel), "pallas" (jax's Pallas GPU flash
       kernel), "flex_tpu" / "flex_gpu" / "flex_mgpu" (jattn's own Pallas
-      kernels with the mods inside: TPU, Triton GPU, Mosaic GPU) -- the
-      kernels raise a ValueError naming the argument they cannot honour -- or
+      kernels with the mods inside: TPU, Triton GPU, Mosaic GPU),
+      "flex_mgpu_ws" (flex_mgpu's warp-specialised Hopper forward, when named)
+      -- the kernels raise a ValueError naming the argument they cannot honour -- or
       "ring" (sequence-parallel over the
       "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`),
       or "context_parallel" (the same mesh; ring, all-gather or Ulysses chosen

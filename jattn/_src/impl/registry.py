@@ -160,8 +160,12 @@ def preference(call, platform: str) -> tuple[str, ...]:
   # T = 4k and 16k): cuDNN fastest wherever it applies; flex_gpu before jax's Pallas mha,
   # which is 1.6x (causal) to 2x (no mask) slower forward + backward and, with document
   # ids, 4.5x (forward) and 8.7x (forward + backward) slower, as it skips no block.
-  # flex_mgpu (Mosaic GPU) after flex_gpu: checked by the GPU interpreter and export only,
-  # never timed; it takes over where flex_gpu cannot (a jax without Pallas Triton).
+  # flex_mgpu (Mosaic GPU) after flex_gpu: on an H100 (gpu_h100_bench*.json) within 10% of
+  # flex_gpu either way; it takes over where flex_gpu cannot (a jax without Pallas Triton).
+  # flex_mgpu_ws, its warp-specialised forward (0.93x cuDNN's causal forward on the H100),
+  # runs only when named: its backward kernels are unchecked on a card, the interpreter
+  # hangs on some document masks (docs/gpu_kernel.md), and an export from a CPU host
+  # cannot tell a Hopper target from an Ampere one.
   kernels = {"tpu": ("splash", "flex_tpu"),
              "cuda": ("cudnn", "flex_gpu", "flex_mgpu", "pallas")}.get(platform, ())
   if platform == "tpu" and _documents(call):
