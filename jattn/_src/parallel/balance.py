@@ -194,10 +194,10 @@ _BATCH = 1 << 21  # step-table entries weighed at once: bounds the search's memo
 
 
 def _round(P: int) -> int:
-  """Step-table entries weighed per round: up to 32 devices all the swaps that can lower the
-  keys, or nearly (32 devices: a path within 1% of the full search's), beyond that fewer, so
-  that planning stays within seconds on a pod (64 devices about 1 s, 256 about 5 s)."""
-  return max(1 << 15, (1 << 28) // (P * P))
+  """Step-table entries weighed per round: up to 8 devices all the swaps that can lower the
+  keys, up to 32 most of them (paths within 1% of the full search's), beyond that fewer,
+  so that planning stays within seconds on a pod (64 devices about 1 s, 256 about 6 s)."""
+  return max(1 << 15, min(1 << 18, (1 << 28) // (P * P)))
 
 
 def _tops(steps: np.ndarray) -> tuple[np.ndarray, ...]:
