@@ -390,8 +390,9 @@ def _hot(steps: np.ndarray, work: np.ndarray, limit: int) -> np.ndarray:
 
 def improve(table: np.ndarray, pairs: np.ndarray, rounds: int = 64) -> np.ndarray:
   """Steepest descent from `table` on `_keys`: each round takes the swap of two chunks between
-  devices, or of two devices' places on the ring, that lowers them most, until none does
-  (within `rounds`, a bound on the planning time: 8 devices settle in about 10 to 35)."""
+  devices, or of two devices' places on the ring, that lowers them most among those `_pick`
+  weighs (all that can, where they fit `_round`), until none does (within `rounds`, a bound
+  on the planning time: 8 devices settle in about 10 to 35)."""
   P = table.shape[0]
   if P == 1:  # nothing to swap with
     return np.sort(table, axis=1)
