@@ -10,7 +10,13 @@
    a ring pass (the sum over ring steps of the busiest device's work in that step,
    since each step ends in a ppermute; at least the mean work per device): causal,
    16 documents of random lengths (causal), a causal 4k window, prefix-LM with a
-   T / 4 prefix.
+   T / 4 prefix. Then the planning at pod scale: at P = 8 to 256 devices and
+   T = 4096 P (16 P chunks of 256 tokens, as the balance deals them), the seconds
+   the balance's search takes (`balance.plan` on the block table, NumPy) and the
+   critical path it finds, against zig-zag's, the mean work, and the exhaustive
+   search's before the pod-scale budget (recorded at commit eef80ee on the 2-core
+   Intel Xeon that ran the results: `BEFORE`); and for 16 documents the whole `context_parallel_plan` call,
+   which also classifies the mask's blocks (jax, on the host).
 2. Bytes each device sends (forward + backward) and the memory it holds, per
    strategy, from the plan (B=1, N=32, K=8, H=D=128, bfloat16, causal).
 3. Per-device memory of the compiled forward + backward (XLA's own account of one
@@ -81,6 +87,54 @@ def balance_rows(lengths):
                        zigzag_critical_path=z.critical_path,
                        balanced_critical_path=b.critical_path,
                        mean_work=b.mean_work))  # the critical path's lower bound
+  return rows
+
+
+# The exhaustive search (commit eef80ee) on the tables of `plan_blocks`, 2-core Intel Xeon:
+# (seconds of balance.plan, critical path). 64 devices and more did not finish in minutes.
+BEFORE = {(8, "causal"): (0.02, 1032), (8, "16 documents"): (0.27, 148),
+          (8, "4k window"): (0.05, 258), (8, "prefix-LM"): (0.02, 1094),
+          (16, "causal"): (0.11, 2056), (16, "16 documents"): (4.7, 288),
+          (16, "4k window"): (0.16, 272), (16, "prefix-LM"): (0.09, 2182),
+          (32, "causal"): (1.4, 4104), (32, "16 documents"): (36.8, 531),
+          (32, "4k window"): (1.4, 272), (32, "prefix-LM"): (0.86, 4358)}
+
+
+def plan_blocks(P: int, b: int = 256) -> dict:
+  """bool block tables of the four masks at T = 4096 P in b x b blocks, from each block's
+  first and last rows and columns (16 documents: shared where their documents overlap)."""
+  T = 4096 * P
+  q0 = np.arange(T // b)[:, None] * b
+  k0, q1, k1 = q0.T, q0 + b - 1, q0.T + b - 1
+  ids = documents(T, 16)[0]
+  return {"causal": k0 <= q1,
+          "16 documents": (k0 <= q1) & (ids[k1] >= ids[q0]) & (ids[k0] <= ids[q1]),
+          "4k window": (k0 <= q1) & (q0 - k1 <= 4096),
+          "prefix-LM": (k0 < T // 4) | (k0 <= q1)}
+
+
+def planning_rows(device_counts):
+  from jattn._src.parallel import balance
+  rows = []
+  for P_ in device_counts:
+    for name, blocks in plan_blocks(P_).items():
+      start = time.perf_counter()
+      order, work = balance.plan(blocks, P_, (1,) + balance.CHUNKS)
+      seconds = time.perf_counter() - start
+      zigzag = balance.work_of(balance.zigzag(P_), blocks).critical_path
+      before_s, before_path = BEFORE.get((P_, name), (None, None))
+      rows.append(dict(P=P_, mask=name, order=str(order), plan_s=seconds,
+                       critical_path=work.critical_path, mean_work=work.mean,
+                       zigzag_critical_path=zigzag, path_over_mean=work.critical_path / work.mean,
+                       before_s=before_s, before_critical_path=before_path,
+                       path_over_before=work.critical_path / before_path if before_path else None))
+    T = 4096 * P_
+    q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    start = time.perf_counter()
+    jattn.context_parallel_plan(q, q, q, mesh=AbstractMesh((P_,), ("seq",)), strategy="ring",
+                                is_causal=True, mask_mod=mods.document(documents(T, 16)))
+    rows.append(dict(P=P_, mask="16 documents", order="context_parallel_plan, whole call",
+                     plan_s=time.perf_counter() - start))
   return rows
 
 
@@ -183,8 +237,8 @@ def plot(rows, path):
 def table(rows, keys):
   lines = ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
   for r in rows:
-    cells = [(f"{r[k]:.3f}" if r[k] < 10 else f"{r[k]:.0f}") if isinstance(r[k], float)
-             else str(r[k]) for k in keys]
+    cells = [(f"{r[k]:.3f}" if r[k] < 10 else f"{r[k]:.0f}") if isinstance(r.get(k), float)
+             else "" if r.get(k) is None else str(r[k]) for k in keys]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -192,6 +246,8 @@ def table(rows, keys):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--lengths", default="32768,131072")
+  parser.add_argument("--plan-devices", default="8,16,32,64,256",
+                      help="device counts of the planning rows (part balance); empty: none")
   parser.add_argument("--memory-lengths", default="8192,32768")
   parser.add_argument("--memory-devices", default="4,8")
   parser.add_argument("--time-length", type=int, default=4096, help="T of the timed runs")
@@ -214,6 +270,15 @@ def main():
     print(table(results["balance"], ["T", "mask", "order", "zigzag_imbalance",
                                      "balanced_imbalance", "zigzag_critical_path",
                                      "balanced_critical_path", "mean_work"]), flush=True)
+    if args.plan_devices:
+      jattn.context_parallel_plan(*(jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16),) * 3,
+                                  mesh=AbstractMesh((P,), ("seq",)), strategy="ring",
+                                  is_causal=True)  # compiles what the timed calls reuse
+      results["planning"] = planning_rows([int(x) for x in args.plan_devices.split(",")])
+      print(table(results["planning"], ["P", "mask", "order", "plan_s", "before_s",
+                                        "critical_path", "before_critical_path",
+                                        "path_over_before", "zigzag_critical_path",
+                                        "mean_work"]), flush=True)
   if "bytes" in parts:
     results["bytes"] = bytes_rows(lengths)
     print(table(results["bytes"], ["T", "strategy", "bytes_sent_mib", "memory_mib", "chosen"]),

@@ -68,13 +68,15 @@ def test_context_parallel_benchmark_runs_at_small_sizes(tmp_path):
   T = 256: every table is printed and written."""
   done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"),
                          "--lengths", "4096", "--memory-lengths", "1024", "--memory-devices",
-                         "8", "--time-length", "256", "--repeats", "1", "--out", str(tmp_path)],
+                         "8", "--time-length", "256", "--repeats", "1", "--plan-devices", "8",
+                         "--out", str(tmp_path)],
                         capture_output=True, text=True, timeout=600, cwd="/")
   assert done.returncode == 0, done.stderr[-3000:]
   results = json.loads((tmp_path / "context_parallel.json").read_text())
   assert {r["mask"] for r in results["balance"]} == {"causal", "16 documents", "4k window",
                                                       "prefix-LM"}
   assert {r["strategy"] for r in results["memory"]} == {"ring", "all_gather", "ulysses"}
+  assert [r["path_over_before"] for r in results["planning"] if "critical_path" in r] == [1.0] * 4
   assert len(results["timing"]) == 8, results["timing"]
 
 
