@@ -27,9 +27,10 @@ from jattn._src.kernels import layout_specs, table_grads, tile_mods
 from jattn._src.kernels.kernel_inputs import TileMods as _Mods
 from jattn._src.kernels.kernel_inputs import as_int_or_float as _as_int_or_float
 from jattn._src.kernels.kernel_inputs import flat as _flat
+from jattn._src.kernels.kernel_inputs import from_tiles as _from_tiles
 from jattn._src.kernels.kernel_inputs import pad_to as _pad_to
 from jattn._src.kernels.kernel_inputs import to_tiles as _to_tiles
-from jattn._src.kernels.kernel_vjp import batched, with_batch
+from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 from jattn._src.kernels.layout_specs import spec
 from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL
@@ -412,12 +413,10 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
       p, "jattn_flex_gpu_dkv",
   )(group(q), k, v, group(do), by_group(lse), by_group(delta), *extras)
 
-  if not in_place:  # cut the padding, back to the caller's layouts
-    dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
-    dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
-    dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
-  if not layout.has_batch:
-    dq, dk, dv = dq[0], dk[0], dv[0]
+  if in_place:
+    dq, dk, dv = (without_batch(x, layout) for x in (dq, dk, dv))
+  else:  # cut the padding, back to the caller's layouts
+    dq, dk, dv = _from_tiles(p, layout, dq, dk, dv)
   return dq, dk, dv, _consts_grads(p, tm, d_reads, flats, table_parts)
 
 

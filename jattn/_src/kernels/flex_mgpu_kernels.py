@@ -37,7 +37,7 @@ from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import tile_mods
-from jattn._src.kernels.kernel_inputs import TileMods, flat, pad_to, to_tiles
+from jattn._src.kernels.kernel_inputs import TileMods, flat, from_tiles, pad_to, to_tiles
 from jattn._src.kernels.kernel_plan import round_up
 from jattn._src.kernels.kernel_vjp import batched, with_batch
 from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
@@ -462,11 +462,7 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
   tm, where, arrays = _prepare(p, modifiers)
   dq = _dq(p, tm, where, arrays, q, k, v, do, lse, delta)
   dk, dv = _dkv(p, tm, where, arrays, q, k, v, do, lse, delta)
-  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
-  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
-  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
-  if not layout.has_batch:
-    dq, dk, dv = dq[0], dk[0], dv[0]
+  dq, dk, dv = from_tiles(p, layout, dq, dk, dv)
   return dq, dk, dv, None
 
 

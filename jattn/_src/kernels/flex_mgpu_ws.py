@@ -48,7 +48,7 @@ from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import flex_mgpu_kernels as ref
-from jattn._src.kernels.kernel_inputs import pad_to, to_tiles
+from jattn._src.kernels.kernel_inputs import from_tiles, pad_to, to_tiles
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 
 if TYPE_CHECKING:
@@ -174,11 +174,7 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
   else:
     dk, dv = ref._dkv(slow, *ref._prepare(slow, modifiers), q, k, v, rows(do, slow),
                       rows(lse, slow), rows(delta, slow))
-  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
-  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
-  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
-  if not layout.has_batch:
-    dq, dk, dv = dq[0], dk[0], dv[0]
+  dq, dk, dv = from_tiles(p, layout, dq, dk, dv)
   return dq, dk, dv, None
 
 

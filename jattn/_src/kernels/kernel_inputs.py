@@ -10,7 +10,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jattn._src.core.layout import Layout
-from jattn._src.kernels.kernel_vjp import batched, with_batch
+from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,6 +41,16 @@ def to_tiles(p, layout: Layout, query, key, value):
   k = pad_to(pad_to(k, 2, p.S_padded), 3, p.H_padded)
   v = pad_to(pad_to(v, 2, p.S_padded), 3, p.D_padded)
   return q, k, v
+
+
+def from_tiles(p, layout: Layout, dq, dk, dv):
+  """to_tiles' inverse for the gradients: dq [B, N, Tp, Hp], dk [B, K, Sp, Hp], dv [B, K,
+  Sp, Dp] -> the query's, key's and value's layouts, padding cut."""
+  lay = batched(layout)
+  dq = jnp.einsum(f"BNTH->{lay.query}", dq[:, :, :p.T, :p.H])
+  dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S, :p.H])
+  dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S, :p.D])
+  return tuple(without_batch(x, layout) for x in (dq, dk, dv))
 
 
 def as_int_or_float(c):
