@@ -59,3 +59,6 @@ def pytest_collection_modifyitems(config, items):
         continue
       if mark in item.keywords and platform not in present:
         item.add_marker(pytest.mark.skip(reason=f"needs a {mark.upper()}; jax sees {present}"))
+  # The long tests first (stable order otherwise): under xdist a worker that draws a
+  # 60-second test last keeps the whole run waiting on it alone.
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
