@@ -7,7 +7,7 @@ and reports, bfloat16 pages of 64 tokens, N = 16, K = 4, H = D = 128, causal:
 
   roofline       bytes of the keys and values each row needs (its length x K x
                  (H + D) x 2) / the generation's HBM bandwidth;
-  paged_tpu      the kernel (the default on TPU): its DMA volume, every listed page
+  paged_tpu      the kernel (named): its DMA volume, every listed page
                  whole (ceil(length / 64) pages a row) / bandwidth, and its issue
                  time from the final bundle schedule the compiler dumps
                  (LIBTPU_INIT_ARGS=--xla_jf_dump_to): the bundles of the page loop's
@@ -64,7 +64,7 @@ def kernel_bundles(generation: str, lengths, max_length):
     code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}]; from benchmarks import decode_tpu; "
             f"from jax.experimental import topologies; "
             f"decode_tpu._compile(topologies.get_topology_desc({generation + '=1x1'!r}, 'tpu')"
-            f".devices, {list(map(int, lengths))}, {int(max_length)}, None)")
+            f".devices, {list(map(int, lengths))}, {int(max_length)}, 'paged_tpu')")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f"the kernel's compile failed: {done.stderr[-2000:]}")
@@ -131,8 +131,8 @@ def estimate(generation: str, lengths, max_length, counted) -> dict:
          "clock_hz_derived": clock, "roofline_bytes": roofline_bytes,
          "roofline_us": 1e6 * roofline_bytes / bandwidth}
 
-  compiled, plan = _compile(devices, lengths, max_length, None)
-  assert "jattn_paged_decode_tpu" in compiled.as_text(), "the default on TPU is not the kernel"
+  compiled, plan = _compile(devices, lengths, max_length, "paged_tpu")
+  assert "jattn_paged_decode_tpu" in compiled.as_text(), "paged_tpu did not take the call"
   programs = len(lengths) * plan.splits
   dma_bytes = int(pages.sum()) * PAGE * token_bytes
   kernel = {"plan": str(plan), "dma_bytes": dma_bytes, "dma_us": 1e6 * dma_bytes / bandwidth,

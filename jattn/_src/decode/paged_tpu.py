@@ -106,17 +106,17 @@ def plan(call, platform: str):
     return f"it takes float32 or bfloat16 pages, got {cache_dtype}"
   if not call.interpret:
     if call.H % LANES or call.D % LANES:
-      return (f"head dims H = {call.H}, D = {call.D}: the kernel slices each kv head out "
-              f"of a page along the TPU's {LANES} lanes, so both must be multiples of 128")
+      return (f"head dims H = {call.H}, D = {call.D}: the kernel's tiles [page_size, H] "
+              f"span whole rows of the TPU's {LANES} lanes only when both are multiples "
+              f"of 128")
     rows = 16 if cache_dtype == "bfloat16" else 8
     if call.page_size % rows:
       return (f"page_size {call.page_size}: a {cache_dtype} page is a whole number of TPU "
               f"tiles of {rows} rows only when page_size is a multiple of {rows}")
   itemsize = np.dtype(jnp.dtype(cache_dtype)).itemsize
   G = call.N // call.K
-  # a page buffer [S, K, H] in VMEM: K padded to the sublane tile (8 rows of 32 bits)
-  k_rows = -(-call.K * itemsize // 32) * 32 // itemsize
-  vmem = (DEPTH * call.page_size * k_rows * (call.H + call.D) * itemsize
+  # a page buffer [K, S, H] in VMEM: K tiles of [S, H] (S a whole number of tiles)
+  vmem = (DEPTH * call.K * call.page_size * (call.H + call.D) * itemsize
           + 2 * call.K * G * call.T * (call.H * itemsize + call.D * 4 + 2 * LANES * 4))
   if vmem > VMEM_BUDGET:
     return (f"{vmem / 2**20:.1f} MiB of VMEM for {DEPTH} pages in flight and the "
@@ -202,8 +202,8 @@ def run(p: Plan, query, cache, mods, options):
                     pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
           out_specs=[stat_spec, stat_spec,
                      pl.BlockSpec((None, None, K, GT, D), lambda b, s, *_: (b, s, 0, 0, 0))],
-          scratch_shapes=[pltpu.VMEM((p.depth, S, K, H), dtype),
-                          pltpu.VMEM((p.depth, S, K, D), cache.value_pages.dtype),
+          scratch_shapes=[pltpu.VMEM((p.depth, K, S, H), dtype),
+                          pltpu.VMEM((p.depth, K, S, D), cache.value_pages.dtype),
                           pltpu.SemaphoreType.DMA((2, p.depth)),
                           pltpu.VMEM((K, GT, LANES), jnp.float32),
                           pltpu.VMEM((K, GT, LANES), jnp.float32),

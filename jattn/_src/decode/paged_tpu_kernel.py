@@ -5,8 +5,9 @@ Scalar-prefetched into SMEM: the row's listed pages (pool ids) and their table
 slots, row by row (`pages`, `slots` int32 [B * M], the first counts[b] of row
 b's M entries real), counts, lengths, the first query's position and the
 number of queries per row, the scale, then the mods' captured arrays. The pool
-stays in HBM (memory space ANY): key_pages viewed as [P, S, K * H] (S the page
-size), so one page of every kv head is one contiguous copy. The queries of row
+stays in HBM (memory space ANY): a page of key_pages [P, K, S, H] (S the page
+size) is one contiguous copy of every kv head's keys, and kbuf[slot, k] is kv
+head k's [S, H] tile, whole TPU tiles with no relayout. The queries of row
 b arrive as a VMEM block [K, G T, H]: the G query heads of kv head k and their
 T queries are the rows of one tile, so each kv head's page is read once for its
 G heads. The mods are evaluated on each [G T, S] tile by `tile_mods` at global
@@ -123,8 +124,8 @@ def kernel(*refs, p, tm):
     s_valid = j * S + jax.lax.broadcasted_iota(jnp.int32, (S, 1), 0) < length
     for k in range(K):
       q = q_ref[k]  # [GT, H]
-      keys = kbuf[slot, :, k, :]  # [S, H]
-      values = vbuf[slot, :, k, :]
+      keys = kbuf[slot, k]  # [S, H]
+      values = vbuf[slot, k]
       values = jnp.where(s_valid, values, jnp.zeros((), values.dtype))
       x = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=_precision(q),
                               preferred_element_type=jnp.float32) * scale

@@ -138,7 +138,8 @@ DECODE_IMPLEMENTATIONS = {
 def decode_preference(call: DecodeCall, platform: str) -> tuple[str, ...]:
   """Best first: the split path everywhere. On TPU "paged_tpu" is taken only when named:
   the TPU compiler's schedule puts its step at 1.1 to 1.3x "split"'s (v5e, v6e; the page
-  loop is issue-bound unpacking one kv head out of [page_size, K, H] pages:
+  loop was issue-bound unpacking one kv head out of [page_size, K, H] pages before the
+  pool became [P, K, page_size, H]:
   benchmarks/results/tpu_decode_estimates.json, docs/sampling.md)."""
   if platform == "tpu":
     return ("split", "paged_tpu", "xla")
