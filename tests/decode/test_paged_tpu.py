@@ -231,3 +231,26 @@ def test_compiles_for_tpu_with_the_kernel_and_no_dense_buffer(generation):
     dense_bytes = B_ * N_ * T_ * max_length * 4  # float32 logits [B, N, T, max_length]
     temp = kernel.memory_analysis().temp_size_in_bytes
     assert temp < dense_bytes / 4 and temp < pool_bytes / 8, temp
+
+
+@pytest.mark.parametrize("case, pages_per_step", [("none", 2)] + [
+    pytest.param(c, u, marks=pytest.mark.thorough)
+    for c, u in (("none", 1), ("none", 3), ("local_window_size", 1), ("local_window_size", 2),
+                 ("sinks", 3))])
+def test_steps_of_several_pages(case, pages_per_step):
+  """U pages a loop step (pages_per_step): steps wholly visible to every query run
+  unmasked (row 0's pages 0-1 at U = 2), the others masked, and a row's last step
+  short of U pages re-reads its last page (masked); NaN in every page no row holds
+  and in the slots past each row's length. Planted: the unmasked step without the
+  scale, and the short step's repeated page left unmasked; this test failed."""
+  q, k, v = _data(7)
+  kwargs, causal = CASES[case][:2]
+  cache = _filled(k, v)
+  poisoned = _poison_unread(np.asarray(cache.block_table) >= 0)(cache)
+  with pallas_interpret():
+    report = jattn.explain_decode(_last_queries(q), poisoned, implementation="paged_tpu",
+                                  is_causal=causal, pages_per_step=pages_per_step, **kwargs)
+  assert report.choices["cpu"].plan.step_pages == pages_per_step
+  got = _kernel(_last_queries(q), poisoned, is_causal=causal, pages_per_step=pages_per_step,
+                **kwargs)
+  _check_rows(got, full_pass(q, k, v, case))
