@@ -57,16 +57,17 @@ BATCHES = {
 }
 
 
-def kernel_bundles(generation: str, lengths, max_length):
-  """(bundles of the kernel, of its page loop's body) for this batch, from a compile in a
-  subprocess whose libtpu dumps its schedules (a dump of every compile is slow), or None."""
+def kernel_bundles(generation: str, lengths, max_length, step_pages=None):
+  """`bundles` of the kernel for this batch (step_pages: U, else the kernel's default),
+  from a compile in a subprocess whose libtpu dumps its schedules (a dump of every
+  compile is slow), or None."""
   with tempfile.TemporaryDirectory(prefix="jattn_tpu_dump_") as dump:
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", LIBTPU_INIT_ARGS=(os.environ.get("LIBTPU_INIT_ARGS", "")
                                              + f" --xla_jf_dump_to={dump}").strip())
     code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}]; from benchmarks import decode_tpu; "
             f"from jax.experimental import topologies; "
             f"decode_tpu._compile(topologies.get_topology_desc({generation + '=1x1'!r}, 'tpu')"
-            f".devices, {list(map(int, lengths))}, {int(max_length)}, 'paged_tpu')")
+            f".devices, {list(map(int, lengths))}, {int(max_length)}, 'paged_tpu', {step_pages})")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f"the kernel's compile failed: {done.stderr[-2000:]}")
@@ -199,11 +200,18 @@ def main(out_path=None):
   print(f"{'generation':<5} {'batch':<16} {'roofline':>9} {'kernel':>9} {'dma':>8} "
         f"{'issue':>8} {'bundles/page':>12} {'split':>9} {'xla':>9} {'kernel/roof':>11} "
         f"{'split/kernel':>12}")
+  # the page loop's cost at one page a step (the kernel before it took U pages a step)
+  one_page = {g: kernel_bundles(g, *BATCHES["B=8, 256..32k"], 1) for g in GENERATIONS}
   counted = {(g, name): kernel_bundles(g, *batch) for g in GENERATIONS
              for name, batch in BATCHES.items()}
   for generation in GENERATIONS:
     for name, (lengths, max_length) in BATCHES.items():
       r = estimate(generation, lengths, max_length, counted[generation, name])
+      if name == "B=8, 256..32k" and one_page[generation] is not None:
+        total, body, unmasked, masked = one_page[generation]
+        r["paged_tpu"]["one_page_a_step"] = {  # the same batch at U = 1, for comparison
+            "bundles_unmasked_step": unmasked, "bundles_masked_step": masked,
+            "bundles_total": total}
       r["batch"] = name
       results.append(r)
       k = r["paged_tpu"]

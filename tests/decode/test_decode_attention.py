@@ -308,9 +308,11 @@ def test_explain_decode_reports_each_platform():
   for platform in ("cpu", "cuda"):
     assert report.implementation(platform) == "split"
     assert report.choices[platform].plan.pages_per_step == 16  # 1024 keys per step
-  # the TPU kernel when named (tests/decode/test_paged_tpu.py); split by default, from the
-  # TPU compiler's estimates (docs/sampling.md)
-  assert report.implementation("tpu") == "split"
+  # the TPU kernel by default (tests/decode/test_paged_tpu.py), from the TPU compiler's
+  # estimates (docs/sampling.md); split for a call it refuses, with the reason
+  assert report.implementation("tpu") == "paged_tpu"
+  refused = jattn.explain_decode(q, cache, mask_mod=jattn.mods.causal(), return_max_logits=True)
+  assert refused.implementation("tpu") == "split" and "max logits" in str(refused)
   named = jattn.explain_decode(q, cache, mask_mod=jattn.mods.causal(), implementation="paged_tpu")
   assert named.implementation("tpu") == "paged_tpu" and named.implementation("cpu") is None
   assert "closed form" in str(report)
