@@ -29,8 +29,9 @@ LANES = 128
 DEPTH = 2
 # Keys per loop step (step_pages = KEYS_PER_STEP // page_size pages): one matmul of
 # [G T, 512] logits per kv head and the softmax bookkeeping once per 512 keys. At pages
-# of 64 (bfloat16, K = 4, H = D = 128) the TPU compiler's schedule gives 1 page a step
-# 236 bundles a page (v5e) and 8 pages FIXME (benchmarks/decode_tpu.py).
+# of 64 (bfloat16, K = 4, H = D = 128) the TPU compiler's schedule gives an unmasked
+# step of 1 page 217 bundles (v5e; 268 v6e), of 8 pages 748 (707): 93 (88) a page,
+# under the 240 (140) cycles its DMA takes (benchmarks/decode_tpu.py).
 KEYS_PER_STEP = 512
 # Rows x kv heads from which one split per row keeps a TPU busy: under it a row's
 # pages are split in two, enough for the two TensorCores of a megacore chip
