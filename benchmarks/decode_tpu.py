@@ -7,13 +7,15 @@ and reports, bfloat16 pages of 64 tokens, N = 16, K = 4, H = D = 128, causal:
 
   roofline       bytes of the keys and values each row needs (its length x K x
                  (H + D) x 2) / the generation's HBM bandwidth;
-  paged_tpu      the kernel (the default on TPU): its DMA volume, every listed page
-                 whole (ceil(length / 64) pages a row) / bandwidth, and its issue
-                 time from the final bundle schedule the compiler dumps
-                 (LIBTPU_INIT_ARGS=--xla_jf_dump_to): the bundles of the page loop's
-                 body x pages + the rest x programs, at one bundle a cycle with no
-                 stall, at the clock below; the estimate is the larger of the two
-                 (perfect overlap of DMA and compute: a lower bound);
+  paged_tpu      the kernel (named): its DMA volume, U pages a loop step
+                 (the last step of a row repeats its last page: ceil(pages / U) x U
+                 pages a row) / bandwidth, and its issue time from the final bundle
+                 schedule the compiler dumps (LIBTPU_INIT_ARGS=--xla_jf_dump_to): the
+                 bundles of an unmasked step (every key below the row's length) and of
+                 a masked one (`bundles`) x the row's steps of each kind + the rest of
+                 the program x programs, at one bundle a cycle with no stall, at the
+                 clock below; the estimate is the larger of the two (perfect overlap of
+                 DMA and compute: a lower bound);
   split          the pure-JAX path compiled for the same TPU: XLA's
                  `cost_analysis()["bytes accessed"]` counts its while loop's body
                  once (the trip count is data-dependent), so the body's bytes are
@@ -55,16 +57,17 @@ BATCHES = {
 }
 
 
-def kernel_bundles(generation: str, lengths, max_length):
-  """(bundles of the kernel, of its page loop's body) for this batch, from a compile in a
-  subprocess whose libtpu dumps its schedules (a dump of every compile is slow), or None."""
+def kernel_bundles(generation: str, lengths, max_length, step_pages=None):
+  """`bundles` of the kernel for this batch (step_pages: U, else the kernel's default),
+  from a compile in a subprocess whose libtpu dumps its schedules (a dump of every
+  compile is slow), or None."""
   with tempfile.TemporaryDirectory(prefix="jattn_tpu_dump_") as dump:
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", LIBTPU_INIT_ARGS=(os.environ.get("LIBTPU_INIT_ARGS", "")
                                              + f" --xla_jf_dump_to={dump}").strip())
     code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}]; from benchmarks import decode_tpu; "
             f"from jax.experimental import topologies; "
             f"decode_tpu._compile(topologies.get_topology_desc({generation + '=1x1'!r}, 'tpu')"
-            f".devices, {list(map(int, lengths))}, {int(max_length)}, None)")
+            f".devices, {list(map(int, lengths))}, {int(max_length)}, 'paged_tpu', {step_pages})")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f"the kernel's compile failed: {done.stderr[-2000:]}")
@@ -72,13 +75,18 @@ def kernel_bundles(generation: str, lengths, max_length):
 
 
 def bundles(dump: pathlib.Path, kernel: str = "jattn_paged_decode_tpu"):
-  """(bundles of the kernel, bundles of its innermost loop's body) from the final
-  bundle schedule; None if the compiler wrote none."""
+  """(bundles of the kernel, of its page loop's body, of one unmasked step, of one masked
+  step) from the final bundle schedule; None if the compiler wrote none.
+
+  The loop body holds both paths of a step, each behind a forward branch on the same
+  predicate (`sbr.rel (p)` over the unmasked path, `sbr.rel (!p)` over the masked one):
+  an unmasked step runs the body less the masked path, a masked step the body less the
+  unmasked path. Without that pair (the mods' calls: every step masked) both are the body."""
   files = [f for f in dump.iterdir() if kernel in f.name
            and f.name.endswith("-final_bundles.txt") and "schedule" not in f.name]
   if not files:
     return None
-  total, starts, ends = 0, [], {}
+  total, starts, ends, at_region, branches = 0, [], {}, {}, []
   for line in max(files, key=lambda f: f.stat().st_mtime).read_text().splitlines():
     m = re.match(r"\s*(0x[0-9a-f]+|\d+)\s+(LB:)?", line)
     if not m:
@@ -88,10 +96,23 @@ def bundles(dump: pathlib.Path, kernel: str = "jattn_paged_decode_tpu"):
     region = re.search(r"Start region (\d+)", line)
     if m.group(2) and region:
       starts.append((address, region.group(1)))
-    for target in re.findall(r"sbr\.rel \([^)]*\) target = \$region(\d+)", line):
+    for r in re.findall(r"region (\d+)", line.split("/*", 1)[1] if "/*" in line else ""):
+      at_region.setdefault(r, address)  # the first bundle of region r (a branch target)
+    for predicate, target in re.findall(r"sbr\.rel \(([^)]*)\) target = \$region(\d+)", line):
       ends[target] = address
-  loops = [(start, ends[r] - start + 1) for start, r in starts if r in ends]
-  return total, (max(loops)[1] if loops else 0)
+      branches.append((address, predicate, target))
+  loops = [(start, ends[r]) for start, r in starts if r in ends]
+  if not loops:
+    return total, 0, 0, 0
+  first, last = max(loops)
+  body = last - first + 1
+  skips = {p: at_region[r] - a - 1 for a, p, r in branches
+           if first <= a <= last and r in at_region and at_region[r] > a}
+  pair = [p for p in skips if p.startswith("!") and p[1:] in skips]
+  if not pair:
+    return total, body, body, body
+  unmasked, masked = skips[pair[0][1:]], skips[pair[0]]
+  return total, body, body - masked, body - unmasked
 
 
 def _compile(devices, lengths, max_length, implementation, pages_per_step=None):
@@ -131,16 +152,28 @@ def estimate(generation: str, lengths, max_length, counted) -> dict:
          "clock_hz_derived": clock, "roofline_bytes": roofline_bytes,
          "roofline_us": 1e6 * roofline_bytes / bandwidth}
 
-  compiled, plan = _compile(devices, lengths, max_length, None)
-  assert "jattn_paged_decode_tpu" in compiled.as_text(), "the default on TPU is not the kernel"
+  compiled, plan = _compile(devices, lengths, max_length, "paged_tpu")
+  assert "jattn_paged_decode_tpu" in compiled.as_text(), "paged_tpu did not take the call"
+  assert plan.splits == 1, "the step count below assumes one split per row"
   programs = len(lengths) * plan.splits
-  dma_bytes = int(pages.sum()) * PAGE * token_bytes
-  kernel = {"plan": str(plan), "dma_bytes": dma_bytes, "dma_us": 1e6 * dma_bytes / bandwidth,
+  U = plan.step_pages
+  # a row's steps of U pages (the last one short: it repeats its last page); a step is
+  # unmasked when all its keys lie below the row's length (causal, T = 1, no mods)
+  steps = -(-pages // U)
+  whole = lengths // (U * PAGE)
+  dma_bytes = int(steps.sum()) * U * PAGE * token_bytes
+  kernel = {"plan": str(plan), "step_pages": U, "dma_bytes": dma_bytes,
+            "dma_us": 1e6 * dma_bytes / bandwidth,
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
   if counted is not None:
-    total, body = counted
-    cycles = int(pages.sum()) * body + programs * (total - body)
-    kernel.update(bundles_total=total, bundles_per_page=body, issue_us=1e6 * cycles / clock)
+    total, body, unmasked, masked = counted
+    cycles = (int(whole.sum()) * unmasked + int((steps - whole).sum()) * masked
+              + programs * (total - body))
+    kernel.update(bundles_total=total, bundles_loop_body=body, bundles_unmasked_step=unmasked,
+                  bundles_masked_step=masked, steps_unmasked=int(whole.sum()),
+                  steps_masked=int((steps - whole).sum()),
+                  bundles_per_page=round(cycles / int(pages.sum()), 1),
+                  issue_us=1e6 * cycles / clock)
   kernel["estimate_us"] = max(kernel["dma_us"], kernel.get("issue_us", 0.0))
   out["paged_tpu"] = kernel
 
@@ -167,17 +200,24 @@ def main(out_path=None):
   print(f"{'generation':<5} {'batch':<16} {'roofline':>9} {'kernel':>9} {'dma':>8} "
         f"{'issue':>8} {'bundles/page':>12} {'split':>9} {'xla':>9} {'kernel/roof':>11} "
         f"{'split/kernel':>12}")
+  # the page loop's cost at one page a step (the kernel before it took U pages a step)
+  one_page = {g: kernel_bundles(g, *BATCHES["B=8, 256..32k"], 1) for g in GENERATIONS}
   counted = {(g, name): kernel_bundles(g, *batch) for g in GENERATIONS
              for name, batch in BATCHES.items()}
   for generation in GENERATIONS:
     for name, (lengths, max_length) in BATCHES.items():
       r = estimate(generation, lengths, max_length, counted[generation, name])
+      if name == "B=8, 256..32k" and one_page[generation] is not None:
+        total, body, unmasked, masked = one_page[generation]
+        r["paged_tpu"]["one_page_a_step"] = {  # the same batch at U = 1, for comparison
+            "bundles_unmasked_step": unmasked, "bundles_masked_step": masked,
+            "bundles_total": total}
       r["batch"] = name
       results.append(r)
       k = r["paged_tpu"]
       print(f"{generation:<5} {name:<16} {r['roofline_us']:8.1f}u {k['estimate_us']:8.1f}u "
             f"{k['dma_us']:7.1f}u {k.get('issue_us', float('nan')):7.1f}u "
-            f"{k.get('bundles_per_page', 0):12d} {r['split']['estimate_us']:8.1f}u "
+            f"{k.get('bundles_per_page', 0):12.1f} {r['split']['estimate_us']:8.1f}u "
             f"{r['xla']['estimate_us']:8.1f}u {k['estimate_us'] / r['roofline_us']:10.2f}x "
             f"{r['split']['estimate_us'] / k['estimate_us']:11.2f}x", flush=True)
   if out_path is not None:

@@ -23,15 +23,16 @@ COLLECTIVE = {"ring": "collective-permute", "all_gather": "all-gather", "ulysses
 
 @pytest.mark.parametrize("target", GENERATIONS)
 def test_decode_split_compiles_on_every_generation(target):
-  """decode_attention's "split" (what explain_decode names for "tpu"), causal, a sliding
-  window mod and ALiBi, grouped heads, over a paged cache of bfloat16 pages."""
+  """decode_attention's "split" (named: explain_decode names "paged_tpu" for "tpu" here,
+  and "split" where the kernel refuses), causal, a sliding window mod and ALiBi, grouped
+  heads, over a paged cache of bfloat16 pages."""
   B, T, N, K, H = 4, 1, 8, 2, 128
   cache = jax.eval_shape(lambda: jattn.paged.init_cache(
       B, 1024, num_kv_heads=K, head_dim=H, page_size=64, num_pages=48, dtype=jnp.bfloat16))
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
   slopes = jax.ShapeDtypeStruct((N,), jnp.float32)
   kw = lambda slopes: dict(is_causal=True, mask_mod=mods.sliding_window(1024),
-                           score_mod=mods.alibi(slopes))
+                           score_mod=mods.alibi(slopes), implementation="split")
   assert jattn.explain_decode(q, cache, **kw(jnp.ones(N))).implementation("tpu") == "split"
   _, report = deviceless.compile_for(
       target, lambda q, cache, slopes: jattn.decode_attention(q, cache, **kw(slopes)),

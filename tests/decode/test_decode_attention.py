@@ -199,15 +199,15 @@ def _poison_unread(keep_pages):
     read = np.zeros(cache.num_pages, bool)
     read[table[np.asarray(keep_pages) & (table >= 0)]] = True
     slot = np.arange(cache.max_pages * PAGE).reshape(cache.max_pages, PAGE)
-    stale = np.zeros(cache.key_pages.shape[:2], bool)  # [P, page_size]
+    stale = np.zeros((cache.num_pages, cache.page_size), bool)  # [P, page_size]
     for b in range(B):
       for j, page in enumerate(table[b]):
         if page >= 0:
           stale[page] = slot[j] >= int(cache.lengths[b])
     nan = ~read[:, None] | stale
     return cache.__class__(
-        jnp.where(nan[..., None, None], jnp.nan, cache.key_pages),
-        jnp.where(nan[..., None, None], jnp.nan, cache.value_pages),
+        jnp.where(nan[:, None, :, None], jnp.nan, cache.key_pages),  # [P, K, S, H]
+        jnp.where(nan[:, None, :, None], jnp.nan, cache.value_pages),
         cache.block_table, cache.lengths, cache.page_free, cache.error)
   return poison
 
@@ -308,9 +308,11 @@ def test_explain_decode_reports_each_platform():
   for platform in ("cpu", "cuda"):
     assert report.implementation(platform) == "split"
     assert report.choices[platform].plan.pages_per_step == 16  # 1024 keys per step
-  # the TPU kernel when named (tests/decode/test_paged_tpu.py); split by default, from the
-  # TPU compiler's estimates (docs/sampling.md)
-  assert report.implementation("tpu") == "split"
+  # the TPU kernel by default (tests/decode/test_paged_tpu.py), from the TPU compiler's
+  # estimates (docs/sampling.md); split for a call it refuses, with the reason
+  assert report.implementation("tpu") == "paged_tpu"
+  refused = jattn.explain_decode(q, cache, mask_mod=jattn.mods.causal(), return_max_logits=True)
+  assert refused.implementation("tpu") == "split" and "max logits" in str(refused)
   named = jattn.explain_decode(q, cache, mask_mod=jattn.mods.causal(), implementation="paged_tpu")
   assert named.implementation("tpu") == "paged_tpu" and named.implementation("cpu") is None
   assert "closed form" in str(report)
@@ -334,7 +336,8 @@ def test_the_call_records_what_explain_reports():
 @pytest.mark.parametrize("platform", ["cpu", "tpu", "cuda"], ids=lambda p: f"for_{p}")
 def test_export_reads_pages_not_a_dense_cache(platform):
   """Lowered for each platform from this host: the program holds no [B, max_length]
-  key tensor, only pages (the split path's W pages per step)."""
+  key tensor ([B, K, max_length, H] as "xla" gathers it), only pages (the split path's W
+  pages per step)."""
   B_, M_, ps = 4, 64, 16
   cache = jax.eval_shape(lambda: jattn.paged.init_cache(
       B_, M_ * ps, num_kv_heads=2, head_dim=32, page_size=ps, num_pages=80))
@@ -342,11 +345,11 @@ def test_export_reads_pages_not_a_dense_cache(platform):
   f = jax.jit(lambda q, c: jattn.decode_attention(q, c, mask_mod=jattn.mods.causal()))
   with jattn.lowering_for(platform):
     text = jax.export.export(f, platforms=[platform])(q, cache).mlir_module()
-  assert f"tensor<{B_}x{M_ * ps}x2x32xf32>" not in text
+  assert f"tensor<{B_}x2x{M_ * ps}x32xf32>" not in text
   dense = jax.jit(lambda q, c: jattn.decode_attention(q, c, implementation="xla"))
   with jattn.lowering_for(platform):
     text = jax.export.export(dense, platforms=[platform])(q, cache).mlir_module()
-  assert f"tensor<{B_}x{M_ * ps}x2x32xf32>" in text  # the check can fail
+  assert f"tensor<{B_}x2x{M_ * ps}x32xf32>" in text  # the check can fail
 
 
 # ---------------------------------------------------------------- errors

@@ -47,7 +47,7 @@ def _dense(cache):
   page = np.where(s[None, :] < lengths[:, None], table[:, s // PAGE], -1)
   slot = np.broadcast_to(s % PAGE, (B, S))
   take = lambda pages: np.where((page >= 0)[..., None, None],
-                                np.asarray(pages, np.float64)[page, slot], 0.0)
+                                np.asarray(pages, np.float64)[page, :, slot], 0.0)
   return take(cache.key_pages), take(cache.value_pages), page, slot
 
 
@@ -117,8 +117,8 @@ def test_gradients_eager_and_jitted_equal_float64(implementation):
       score=lambda x: CAP * np.tanh(x / CAP), d_score=lambda x: 1 - np.tanh(x / CAP) ** 2)
   want_k, want_v = np.zeros(cache.key_pages.shape), np.zeros(cache.value_pages.shape)
   for b, s in zip(*np.nonzero(page >= 0)):
-    want_k[page[b, s], slot[b, s]] += dk[b, s]
-    want_v[page[b, s], slot[b, s]] += dv[b, s]
+    want_k[page[b, s], :, slot[b, s]] += dk[b, s]  # pages [P, K, S, H]
+    want_v[page[b, s], :, slot[b, s]] += dv[b, s]
   args = (q, cache.key_pages, cache.value_pages)
   for grad in (jax.grad(loss, (0, 1, 2)), jax.jit(jax.grad(loss, (0, 1, 2)))):
     got = grad(*args)

@@ -226,7 +226,7 @@ def test_compiles_for_tpu_with_the_kernel_and_no_dense_buffer(generation):
   for T_, kwargs in ((1, dict(is_causal=True)),
                      (2, dict(mask_mod=jattn.mods.sliding_window(4000), sinks=jnp.zeros(N_),
                               score_mod=jattn.mods.alibi(jattn.mods.alibi_slopes(N_))))):
-    kernel = compiled(T_, implementation="paged_tpu", **kwargs)  # named: split is the default
+    kernel = compiled(T_, implementation="paged_tpu", **kwargs)
     assert "jattn_paged_decode_tpu" in kernel.as_text()
     dense_bytes = B_ * N_ * T_ * max_length * 4  # float32 logits [B, N, T, max_length]
     temp = kernel.memory_analysis().temp_size_in_bytes

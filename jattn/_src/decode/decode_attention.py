@@ -38,14 +38,14 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
     raise TypeError(f"query must be a floating-point array, got dtype {query.dtype} with "
                     f"shape {query.shape}")
   B, T, N, H = query.shape
-  P, ps, K, Hk = cache.key_pages.shape
+  P, K, ps, Hk = cache.key_pages.shape
   D = cache.value_pages.shape[3]
   if B != cache.batch_size:
     raise ValueError(f"query: batch B = {B} (shape {query.shape}) differs from the cache's "
                      f"block_table {tuple(cache.block_table.shape)}")
   if H != Hk:
     raise ValueError(f"query: depth H = {H} (shape {query.shape}) differs from the cache's "
-                     f"key_pages [P, page_size, K, H] = {tuple(cache.key_pages.shape)}")
+                     f"key_pages [P, K, page_size, H] = {tuple(cache.key_pages.shape)}")
   if not query.dtype == cache.key_pages.dtype == cache.value_pages.dtype:
     raise TypeError(f"query and the cache's pages must share one dtype (as the query, key "
                     f"and value of dot_product_attention), got query {query.dtype} "

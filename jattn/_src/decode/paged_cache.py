@@ -6,8 +6,9 @@ memory is the pool's (sized to the sum of the lengths), not B x max_length,
 and every shape is static: allocate, append and free are jit-friendly array
 updates with no Python loop over rows.
 
-    key_pages    [P, page_size, K, H]   the pool (P pages), keys
-    value_pages  [P, page_size, K, D]   values (their own dtype)
+    key_pages    [P, K, page_size, H]   the pool (P pages), keys: each kv head's
+                                        tokens contiguous within a page
+    value_pages  [P, K, page_size, D]   values (their own dtype), likewise
     block_table  int32 [B, max_pages]   row b's pages in order; NO_PAGE after them
     lengths      int32 [B]              tokens cached per row
     page_free    bool [P]               the free list: True = not in any row
@@ -63,7 +64,7 @@ class PagedKVCache:
 
   @property
   def page_size(self) -> int:
-    return self.key_pages.shape[1]
+    return self.key_pages.shape[2]
 
   @property
   def num_pages(self) -> int:
@@ -112,8 +113,8 @@ def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim:
   D = head_dim if value_dim is None else value_dim
   P, K = num_pages, num_kv_heads
   return PagedKVCache(
-      key_pages=jnp.zeros((P, page_size, K, head_dim), dtype),
-      value_pages=jnp.zeros((P, page_size, K, D), value_dtype or dtype),
+      key_pages=jnp.zeros((P, K, page_size, head_dim), dtype),
+      value_pages=jnp.zeros((P, K, page_size, D), value_dtype or dtype),
       block_table=jnp.full((batch_size, max_pages), NO_PAGE, jnp.int32),
       lengths=jnp.zeros((batch_size,), jnp.int32),
       page_free=jnp.ones((P,), bool),
@@ -219,7 +220,7 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
   Pages are allocated as needed (`allocate`).
   """
   B, M, ps = cache.batch_size, cache.max_pages, cache.page_size
-  K, H, D = cache.key_pages.shape[2], cache.key_pages.shape[3], cache.value_pages.shape[3]
+  K, H, D = cache.key_pages.shape[1], cache.key_pages.shape[3], cache.value_pages.shape[3]
   key, value = jnp.asarray(key), jnp.asarray(value)
   if key.ndim != 4 or key.shape[0] != B or key.shape[2:] != (K, H):
     raise ValueError(f"key: expected [B, T, K, H] = ({B}, T, {K}, {H}) for the cache's "
@@ -242,9 +243,13 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
   written = (jnp.arange(T)[None, :] < new_tokens[:, None]) & ~refused  # [B, T]
   page = jnp.where(written & (page != NO_PAGE), page, cache.num_pages)  # out of range: dropped
   slot = pos % ps
-  key_pages = grown.key_pages.at[page, slot].set(key.astype(cache.key_pages.dtype), mode="drop")
-  value_pages = grown.value_pages.at[page, slot].set(value.astype(cache.value_pages.dtype),
-                                                     mode="drop")
+  # token (b, t) of head k goes to [page[b, t], k, slot[b, t]]: index [B, T, 1] against
+  # the heads [K] broadcasts to the [B, T, K] entries key[b, t, k] fills
+  heads = jnp.arange(K, dtype=jnp.int32)
+  at = (page[..., None], heads, slot[..., None])
+  key_pages = grown.key_pages.at[at].set(key.astype(cache.key_pages.dtype), mode="drop")
+  value_pages = grown.value_pages.at[at].set(value.astype(cache.value_pages.dtype),
+                                             mode="drop")
   lengths = grown.lengths + jnp.where(refused, 0, new_tokens)
   return dataclasses.replace(grown, key_pages=key_pages, value_pages=value_pages,
                              lengths=lengths)

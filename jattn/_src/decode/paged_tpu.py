@@ -25,8 +25,14 @@ from jattn._src.decode import tile as _tile
 from jattn._src.kernels import tile_mods
 
 LANES = 128
-# Pages in flight per program (DMA'd while earlier ones are computed).
-DEPTH = 3
+# Steps of pages in flight per program (DMA'd while the one before is computed).
+DEPTH = 2
+# Keys per loop step (step_pages = KEYS_PER_STEP // page_size pages): one matmul of
+# [G T, 512] logits per kv head and the softmax bookkeeping once per 512 keys. At pages
+# of 64 (bfloat16, K = 4, H = D = 128) the TPU compiler's schedule gives an unmasked
+# step of 1 page 217 bundles (v5e; 268 v6e), of 8 pages 748 (707): 93 (88) a page,
+# under the 240 (140) cycles its DMA takes (benchmarks/decode_tpu.py).
+KEYS_PER_STEP = 512
 # Rows x kv heads from which one split per row keeps a TPU busy: under it a row's
 # pages are split in two, enough for the two TensorCores of a megacore chip
 # (v4, v5p); a one-core chip (v5e, v6e) runs the grid in sequence either way.
@@ -55,13 +61,16 @@ class Plan:
   window: tuple | None
   splits: int
   depth: int
+  step_pages: int
+  num_pages: int
   mask_uses_n: bool
   score_uses_n: bool
   empty_pages: str
   interpret: bool
 
   def __str__(self):
-    return (f"Pallas TPU kernel over the pool: {self.depth} pages in flight by DMA, "
+    return (f"Pallas TPU kernel over the pool: {self.step_pages} page(s) a step, "
+            f"{self.depth} steps in flight by DMA, "
             f"{self.splits} split(s) per row merged by log-sum-exp, the G = {self.G} query "
             f"heads of a kv head in one tile; only the pages each row needs, EMPTY pages "
             f"{self.empty_pages}" + (" (interpreted)" if self.interpret else ""))
@@ -106,18 +115,24 @@ def plan(call, platform: str):
     return f"it takes float32 or bfloat16 pages, got {cache_dtype}"
   if not call.interpret:
     if call.H % LANES or call.D % LANES:
-      return (f"head dims H = {call.H}, D = {call.D}: the kernel slices each kv head out "
-              f"of a page along the TPU's {LANES} lanes, so both must be multiples of 128")
+      return (f"head dims H = {call.H}, D = {call.D}: the kernel's tiles [page_size, H] "
+              f"span whole rows of the TPU's {LANES} lanes only when both are multiples "
+              f"of 128")
     rows = 16 if cache_dtype == "bfloat16" else 8
     if call.page_size % rows:
       return (f"page_size {call.page_size}: a {cache_dtype} page is a whole number of TPU "
               f"tiles of {rows} rows only when page_size is a multiple of {rows}")
   itemsize = np.dtype(jnp.dtype(cache_dtype)).itemsize
   G = call.N // call.K
-  # a page buffer [S, K, H] in VMEM: K padded to the sublane tile (8 rows of 32 bits)
-  k_rows = -(-call.K * itemsize // 32) * 32 // itemsize
-  vmem = (DEPTH * call.page_size * k_rows * (call.H + call.D) * itemsize
-          + 2 * call.K * G * call.T * (call.H * itemsize + call.D * 4 + 2 * LANES * 4))
+  U = min(call.pages_per_step or max(1, KEYS_PER_STEP // call.page_size), call.max_pages)
+  while True:
+    # a step's buffer [K, U S, H] in VMEM: K U tiles of [S, H] (S a whole number of tiles)
+    vmem = (DEPTH * U * call.K * call.page_size * (call.H + call.D) * itemsize
+            + 2 * call.K * G * call.T * (call.H * itemsize + call.D * 4 + 2 * LANES * 4
+                                         + U * call.page_size * 4))
+    if vmem <= VMEM_BUDGET or U == 1:
+      break
+    U = max(1, U // 2)
   if vmem > VMEM_BUDGET:
     return (f"{vmem / 2**20:.1f} MiB of VMEM for {DEPTH} pages in flight and the "
             f"accumulators, over the kernel's {VMEM_BUDGET // 2**20} MiB")
@@ -126,7 +141,8 @@ def plan(call, platform: str):
             f"{SMEM_ENTRIES} the kernel keeps in SMEM")
   splits = 1 if call.B * call.K >= SPLIT_BELOW else 2
   return Plan(call.B, call.T, call.K, G, call.H, call.D, call.page_size, call.max_pages,
-              call.is_causal, call.window, splits, DEPTH, call.mods_uses_n[0],
+              call.is_causal, call.window, splits, DEPTH, U, call.num_pages,
+              call.mods_uses_n[0],
               call.mods_uses_n[1], _EMPTY_PAGES[call.mask], call.interpret)
 
 
@@ -176,9 +192,10 @@ def run(p: Plan, query, cache, mods, options):
   # [B, T, K, G, H] -> [B, K, G T, H]: a kv head's G heads and T queries, one tile
   q = jnp.einsum("BTKGH->BKGTH", query.reshape(B, T, K, G, H)).reshape(B, K, GT, H)
   q = q.astype(dtype)
+  C = p.step_pages * S  # the keys of one step
   rows = jnp.arange(GT, dtype=jnp.int32)[:, None]
-  rows_t = jnp.broadcast_to(rows % T, (GT, S))
-  rows_g = jnp.broadcast_to(rows // T, (GT, S))
+  rows_t = jnp.broadcast_to(rows % T, (GT, C))
+  rows_g = jnp.broadcast_to(rows // T, (GT, C))
   mask_jaxpr = None if mods is None else mods.mask_jaxpr
   score_jaxpr = None if mods is None else mods.score_jaxpr
   mask_consts = () if mask_jaxpr is None else tuple(mods.mask_consts)
@@ -198,12 +215,12 @@ def run(p: Plan, query, cache, mods, options):
           num_scalar_prefetch=len(scalars),
           grid=(B, p.splits),
           in_specs=[pl.BlockSpec((None, K, GT, H), lambda b, s, *_: (b, 0, 0, 0)),
-                    whole((GT, S)), whole((GT, S)),
+                    whole((GT, C)), whole((GT, C)),
                     pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
           out_specs=[stat_spec, stat_spec,
                      pl.BlockSpec((None, None, K, GT, D), lambda b, s, *_: (b, s, 0, 0, 0))],
-          scratch_shapes=[pltpu.VMEM((p.depth, S, K, H), dtype),
-                          pltpu.VMEM((p.depth, S, K, D), cache.value_pages.dtype),
+          scratch_shapes=[pltpu.VMEM((p.depth, p.step_pages, K, S, H), dtype),
+                          pltpu.VMEM((p.depth, p.step_pages, K, S, D), cache.value_pages.dtype),
                           pltpu.SemaphoreType.DMA((2, p.depth)),
                           pltpu.VMEM((K, GT, LANES), jnp.float32),
                           pltpu.VMEM((K, GT, LANES), jnp.float32),

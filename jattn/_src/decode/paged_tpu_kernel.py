@@ -1,16 +1,25 @@
 """The Pallas TPU kernel of "paged_tpu": one program per (row b, split), its pages
-DMA'd from the pool in HBM into VMEM, `depth` pages in flight.
+DMA'd from the pool in HBM into VMEM, `depth` steps of pages in flight.
+
+Each loop step takes U = step_pages pages of the row's list into one buffer
+slot [U, K, S, H] (kv head k's keys kbuf[slot, :, k] read as one [U S, H]), so a kv head's step is one [G T, U S] tile of logits (more
+keys per matmul, the softmax bookkeeping once per U pages). A step whose keys
+all lie within the row's length and every query's causal range and window
+(the bulk of a long row) runs with no mask and no zeroing; the others build
+each column's position and mask it.
 
 Scalar-prefetched into SMEM: the row's listed pages (pool ids) and their table
 slots, row by row (`pages`, `slots` int32 [B * M], the first counts[b] of row
 b's M entries real), counts, lengths, the first query's position and the
 number of queries per row, the scale, then the mods' captured arrays. The pool
-stays in HBM (memory space ANY): key_pages viewed as [P, S, K * H] (S the page
-size), so one page of every kv head is one contiguous copy. The queries of row
+stays in HBM (memory space ANY): a page of key_pages [P, K, S, H] (S the page
+size) is one contiguous copy of every kv head's keys, and kbuf[slot, k] is kv
+head k's [S, H] tile, whole TPU tiles with no relayout. The queries of row
 b arrive as a VMEM block [K, G T, H]: the G query heads of kv head k and their
 T queries are the rows of one tile, so each kv head's page is read once for its
-G heads. The mods are evaluated on each [G T, S] tile by `tile_mods` at global
-positions: t of tile row r = g T + t_ is q_first[b] + t_, s = slot * S + column.
+G heads. The mods are evaluated on each [G T, U S] tile by `tile_mods` at global
+positions: t of tile row r = g T + t_ is q_first[b] + t_, s = j S + column % S
+for the column's page u = column // S of table slot j.
 
 Outputs: the split's partial softmax, relative to its own max, float32:
 m, l [K, G T, 128] (lane-replicated) and o [K, G T, D]; `paged_tpu` merges the
@@ -55,6 +64,11 @@ def _per_head(evaluate, uses_n: bool, k: int, G: int, rows_g, tile):
   return out
 
 
+def _each(copies, method: str):
+  for c in copies:
+    getattr(c, method)()
+
+
 def kernel(*refs, p, tm):
   """p: the `paged_tpu.Plan`; tm: (mask jaxpr, mask meta, score jaxpr, score meta)."""
   mask_jaxpr, mask_meta, score_jaxpr, score_meta = tm
@@ -64,87 +78,104 @@ def kernel(*refs, p, tm):
   (q_ref, rows_t_ref, rows_g_ref, k_hbm, v_hbm, m_ref, l_ref, o_ref, kbuf, vbuf, sem,
    m_sc, l_sc, acc_sc) = refs[7 + n_smem:]
   K, G, T, H, D, S, M = p.K, p.G, p.T, p.H, p.D, p.page_size, p.max_pages
-  GT, depth = G * T, p.depth
-  tile = (GT, S)
+  U = p.step_pages
+  GT, depth, C = G * T, p.depth, U * S  # C: the keys of one step (U pages)
+  tile = (GT, C)
   b, split = pl.program_id(0), pl.program_id(1)
 
   count = counts[b]
   per = jax.lax.div(count + p.splits - 1, p.splits)  # lax.div: // lowers through sign
   lo = jnp.minimum(split * per, count)
   n_items = jnp.minimum(lo + per, count) - lo
+  n_steps = jax.lax.div(n_items + U - 1, U)
 
   m_sc[...] = jnp.full(m_sc.shape, LARGE_NEGATIVE, jnp.float32)
   l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
   acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  def copies(i, slot):
-    """The DMAs of item i of this split (row b's list entry lo + i) into buffer `slot`."""
-    page = pages[b * M + lo + i]
-    return (pltpu.make_async_copy(k_hbm.at[page], kbuf.at[slot], sem.at[0, slot]),
-            pltpu.make_async_copy(v_hbm.at[page], vbuf.at[slot], sem.at[1, slot]))
+  def copies(item, slot, u):
+    """The DMAs of item `item` of this split (row b's list entry lo + item; past the
+    split's last item, that item again) into page u of buffer `slot` (one contiguous
+    [K, S, H] page of every kv head)."""
+    page = pages[b * M + lo + jnp.minimum(item, n_items - 1)]
+    return (pltpu.make_async_copy(k_hbm.at[page], kbuf.at[slot, u], sem.at[0, slot]),
+            pltpu.make_async_copy(v_hbm.at[page], vbuf.at[slot, u], sem.at[1, slot]))
 
+  # A step always copies U pages: the last step of a split repeats its last page
+  # rather than branch per page (at most U - 1 pages more a split; masked below).
   def start(i, slot):
-    for c in copies(i, slot):
-      c.start()
-
-  for d in range(depth - 1):  # the first pages in flight before the loop
-    pl.when(d < n_items)(lambda d=d: start(d, d))
-
-  rows_t = rows_t_ref[...]  # [GT, S]: each tile row's query t_
-  rows_g = rows_g_ref[...]  # [GT, S]: its head within the group, g
-  length, first, n_queries = lengths[b], q_first[b], q_lengths[b]
-  scale = scale_ref[0]
-  t_pos = first + rows_t
-
-  def body(i, carry):
-    slot = jax.lax.rem(i, depth)
-    ahead = i + depth - 1
-
-    @pl.when(ahead < n_items)
+    @pl.when(i < n_steps)
     def _():
-      start(ahead, jax.lax.rem(ahead, depth))
+      for u in range(U):
+        _each(copies(i * U + u, slot, u), "start")
 
-    for c in copies(i, slot):
-      c.wait()
-    j = slots[b * M + lo + i]
-    s_pos = j * S + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
-    keep = (s_pos < length) & (rows_t < n_queries)
+  def wait(i, slot):
+    if p.num_pages >= U:  # one wait per semaphore for the U pages' bytes (wait reads
+      for hbm, buf, kind in ((k_hbm, kbuf, 0), (v_hbm, vbuf, 1)):  # only the size)
+        pltpu.make_async_copy(hbm.at[pl.ds(0, U)], buf.at[slot], sem.at[kind, slot]).wait()
+    else:
+      for u in range(U):
+        _each(copies(i * U + u, slot, u), "wait")
+
+  for d in range(depth - 1):  # the first steps in flight before the loop
+    start(d, d)
+
+  length, first, n_queries = lengths[b], q_first[b], q_lengths[b]
+  last = first + n_queries - 1  # the last query's position
+  scale = scale_ref[0]
+
+  def visible_whole(i):
+    """Step i needs no mask: all U pages listed, every key in the row's length and
+    visible to every query (the pages' table slots rise, so the first and last tell)."""
+    lo_j = slots[b * M + lo + i * U]
+    hi_j = slots[b * M + lo + jnp.minimum(i * U + U, n_items) - 1]
+    ok = (i * U + U <= n_items) & (hi_j * S + S <= length) & (n_queries == T)
     if p.causal:
-      keep = keep & (s_pos <= t_pos)
+      ok = ok & (hi_j * S + S - 1 <= first)
     if p.window is not None:
-      keep = keep & (s_pos >= t_pos - p.window[0]) & (s_pos <= t_pos + p.window[1])
+      ok = ok & (lo_j * S >= last - p.window[0]) & (hi_j * S + S - 1 <= first + p.window[1])
+    return ok
+
+  def attend(slot, keep, s_pos, valid_keys):
+    """Folds the step's keys in buffer `slot` into (m, l, acc) of every kv head; keep
+    None: every key visible (no mask, no zeroing); else bool [GT, C] and the keys
+    that hold data (columns < valid_keys; stale slots may hold NaN)."""
+    rows_g = rows_g_ref[...] if keep is not None else None
+    t_pos = first + rows_t_ref[...] if keep is not None else None
     mask = None
     if mask_jaxpr is not None and not p.mask_uses_n:
       mask = _per_head(lambda n: tile_mods.evaluate(
           mask_jaxpr, mask_meta, _reader(mask_refs, mask_meta), [b, n, t_pos, s_pos], tile,
           positions={2: "t", 3: "s"})[0], False, 0, G, rows_g, tile)
-    # Slots past the row's length may hold a freed row's stale values (NaN):
-    # zeroed, since 0 * NaN is not 0.
-    s_valid = j * S + jax.lax.broadcasted_iota(jnp.int32, (S, 1), 0) < length
     for k in range(K):
       q = q_ref[k]  # [GT, H]
-      keys = kbuf[slot, :, k, :]  # [S, H]
-      values = vbuf[slot, :, k, :]
-      values = jnp.where(s_valid, values, jnp.zeros((), values.dtype))
+      keys = kbuf[slot, :, k].reshape(C, H)  # [U, S, H] -> [C, H]
+      values = vbuf[slot, :, k].reshape(C, D)
       x = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=_precision(q),
                               preferred_element_type=jnp.float32) * scale
       keep_k = keep
-      if score_jaxpr is not None:
-        x = _per_head(lambda n: tile_mods.evaluate(
-            score_jaxpr, score_meta, _reader(score_refs, score_meta), [x, b, n, t_pos, s_pos],
-            tile, positions={3: "t", 4: "s"})[0].astype(jnp.float32), p.score_uses_n, k, G,
-            rows_g, tile)
-        keep_k = keep_k & (x != -jnp.inf)  # a score_mod may drop a key with -inf
-      if mask_jaxpr is not None:
-        mk = mask if mask is not None else _per_head(lambda n: tile_mods.evaluate(
-            mask_jaxpr, mask_meta, _reader(mask_refs, mask_meta), [b, n, t_pos, s_pos], tile,
-            positions={2: "t", 3: "s"})[0], True, k, G, rows_g, tile)
-        keep_k = keep_k & mk
-      x = jnp.where(keep_k, x, LARGE_NEGATIVE)
+      if keep is not None:
+        # 0 * NaN is not 0: the slots past the length and the pages not fetched
+        rows = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+        values = jnp.where(rows < valid_keys, values, jnp.zeros((), values.dtype))
+        if score_jaxpr is not None:
+          x = _per_head(lambda n: tile_mods.evaluate(
+              score_jaxpr, score_meta, _reader(score_refs, score_meta),
+              [x, b, n, t_pos, s_pos], tile, positions={3: "t", 4: "s"})[0].astype(
+                  jnp.float32), p.score_uses_n, k, G, rows_g, tile)
+          keep_k = keep_k & (x != -jnp.inf)  # a score_mod may drop a key with -inf
+        if mask_jaxpr is not None:
+          mk = mask if mask is not None else _per_head(lambda n: tile_mods.evaluate(
+              mask_jaxpr, mask_meta, _reader(mask_refs, mask_meta), [b, n, t_pos, s_pos],
+              tile, positions={2: "t", 3: "s"})[0], True, k, G, rows_g, tile)
+          keep_k = keep_k & mk
+        x = jnp.where(keep_k, x, LARGE_NEGATIVE)
       m_prev = m_sc[k]  # [GT, 128]
       m_new = jnp.maximum(m_prev, jnp.max(x, axis=1, keepdims=True))  # [GT, 128]
       alpha = jnp.exp(m_prev - m_new)
-      prob = jnp.where(keep_k, jnp.exp(x - m_new[:, :1]), 0.0)
+      prob = jnp.exp(x - m_new[:, :1])
+      if keep is not None:
+        prob = jnp.where(keep_k, prob, 0.0)
       l_sc[k] = alpha * l_sc[k] + jnp.sum(prob, axis=1, keepdims=True)
       prob = prob.astype(values.dtype)
       pv = jax.lax.dot_general(prob, values, (((1,), (0,)), ((), ())),
@@ -152,9 +183,41 @@ def kernel(*refs, p, tm):
                                preferred_element_type=jnp.float32)  # [GT, D]
       acc_sc[k] = acc_sc[k] * alpha[:, :1] + pv
       m_sc[k] = m_new
+
+  def attend_masked(i, slot):
+    """The general step: positions of every column, its page's table slot j and the
+    row's causal range, window, length and the mods."""
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, C), 1)
+    s_pos = col % S  # [1, C], then + j S of each column's page
+    valid_keys = jnp.int32(0)  # columns holding keys: a prefix (positions rise with u)
+    for u in range(U):
+      there = i * U + u < n_items
+      j = slots[b * M + lo + jnp.minimum(i * U + u, jnp.maximum(n_items - 1, 0))]
+      s_pos = s_pos + jnp.where((col >= u * S) & (col < u * S + S), j * S, 0)
+      valid_keys = valid_keys + jnp.where(there, jnp.clip(length - j * S, 0, S), 0)
+    s_pos = jnp.broadcast_to(s_pos, tile)
+    rows_t = rows_t_ref[...]
+    t_pos = first + rows_t
+    keep = (jnp.broadcast_to(col, tile) < valid_keys) & (rows_t < n_queries)
+    if p.causal:
+      keep = keep & (s_pos <= t_pos)
+    if p.window is not None:
+      keep = keep & (s_pos >= t_pos - p.window[0]) & (s_pos <= t_pos + p.window[1])
+    attend(slot, keep, s_pos, valid_keys)
+
+  def body(i, carry):
+    slot = jax.lax.rem(i, depth)
+    start(i + depth - 1, jax.lax.rem(i + depth - 1, depth))
+    wait(i, slot)
+    if mask_jaxpr is not None or score_jaxpr is not None:  # the mods see every position
+      attend_masked(i, slot)
+    else:
+      whole = visible_whole(i)
+      pl.when(whole)(lambda: attend(slot, None, None, None))
+      pl.when(~whole)(lambda: attend_masked(i, slot))
     return carry
 
-  jax.lax.fori_loop(0, n_items, body, 0)
+  jax.lax.fori_loop(0, n_steps, body, 0)
   m_ref[...] = m_sc[...]
   l_ref[...] = l_sc[...]
   o_ref[...] = acc_sc[...]

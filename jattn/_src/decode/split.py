@@ -26,7 +26,7 @@ from jattn._src.decode import work_list as _work_list
 def _queries(query, cache, q_lengths):
   """query [B, T, N, H] -> (q [B, T, K, G, H], q_pos, q_valid int/bool [B, T], q_first [B])."""
   B, T, N, H = query.shape
-  K = cache.key_pages.shape[2]
+  K = cache.key_pages.shape[1]
   q_first = cache.lengths - q_lengths  # [B]: row b's queries are its last q_lengths tokens
   t = jnp.arange(T, dtype=jnp.int32)[None, :]
   return (query.reshape(B, T, K, N // K, H), q_first[:, None] + t, t < q_lengths[:, None],
@@ -86,7 +86,7 @@ def split(query, cache, mods, *, q_lengths, causal: bool, window, scale, pages_p
           dtype, return_max_logits: bool = False):
   """out [B, T, N, D] (and max logits [B, T, N] if asked); see the module docstring."""
   B, T, N, H = query.shape
-  K, D, ps, W = cache.key_pages.shape[2], cache.value_pages.shape[3], cache.page_size, \
+  K, D, ps, W = cache.key_pages.shape[1], cache.value_pages.shape[3], cache.page_size, \
       pages_per_step
   q, q_pos, q_valid, q_first = _queries(query, cache, q_lengths)
   needed = needed_pages(mods, cache, q_first=q_first, q_pos=q_pos, q_valid=q_valid,
@@ -117,8 +117,11 @@ def dense(query, cache, mods, *, q_lengths, causal: bool, window, scale, dtype,
   q, q_pos, q_valid, _ = _queries(query, cache, q_lengths)
   table = cache.block_table
   page = jnp.clip(table, 0, cache.num_pages - 1)  # [B, M]; a missing page is masked below
-  keys = cache.key_pages[page].reshape((B, M * ps) + cache.key_pages.shape[2:])
-  values = cache.value_pages[page].reshape((B, M * ps) + cache.value_pages.shape[2:])
+  # [B, M, K, S, H] -> [B, K, M S, H]: each row's keys of a head in table order
+  keys = jnp.einsum("BMKSH->BKMSH", cache.key_pages[page]).reshape(
+      (B, cache.key_pages.shape[1], M * ps, cache.key_pages.shape[3]))
+  values = jnp.einsum("BMKSD->BKMSD", cache.value_pages[page]).reshape(
+      (B, cache.value_pages.shape[1], M * ps, cache.value_pages.shape[3]))
   s_pos = jnp.broadcast_to(jnp.arange(M * ps, dtype=jnp.int32), (B, M * ps))  # [B, S]
   s_valid = (s_pos < cache.lengths[:, None]) & jnp.repeat(table >= 0, ps, axis=1)
   rows = jnp.arange(B, dtype=jnp.int32)

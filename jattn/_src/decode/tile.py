@@ -2,7 +2,7 @@
 
 The letters, as everywhere, plus W: the pages (work items) read at once, each
 of some row r[w]; S is the keys of one page (its slots). Every query head of
-a kv head is a row of the same matmul ('WTKGH,WSKH->WKGTS'), so each kv head's
+a kv head is a row of the same matmul ('WTKGH,WKSH->WKGTS'), so each kv head's
 page is read once for its G query heads.
 
 `tile` returns the page's partial softmax (m, l, o) relative to its own max;
@@ -48,7 +48,7 @@ def visible(mods, *, rows, heads, q_pos, q_valid, s_pos, s_valid, causal: bool, 
 
 
 def tile(q, k, v, mods, *, rows, q_pos, q_valid, s_pos, s_valid, causal, window, scale):
-  """q [W, T, K, G, H], k [W, S, K, H], v [W, S, K, D] -> (m, l [W, K, G, T], o [W, K, G, T, D]).
+  """q [W, T, K, G, H], k [W, K, S, H], v [W, K, S, D] -> (m, l [W, K, G, T], o [W, K, G, T, D]).
 
   m: the max visible logit (LARGE_NEGATIVE where none); l, o: sum of exp(logit
   - m) and of its weighted values, float32.
@@ -56,7 +56,7 @@ def tile(q, k, v, mods, *, rows, q_pos, q_valid, s_pos, s_valid, causal, window,
   W, T, K, G, H = q.shape
   heads = jnp.arange(K * G, dtype=jnp.int32).reshape(K, G)
   # logits [W, K, G, T, S] in float32: one matmul per (page, kv head) for its G heads
-  logits = jnp.einsum("WTKGH,WSKH->WKGTS", q, k, preferred_element_type=jnp.float32)
+  logits = jnp.einsum("WTKGH,WKSH->WKGTS", q, k, preferred_element_type=jnp.float32)
   logits = logits * jnp.asarray(scale, jnp.float32)
   keep = visible(mods, rows=rows, heads=heads, q_pos=q_pos, q_valid=q_valid, s_pos=s_pos,
                  s_valid=s_valid, causal=causal, window=window)
@@ -72,8 +72,8 @@ def tile(q, k, v, mods, *, rows, q_pos, q_valid, s_pos, s_valid, causal, window,
   p = jnp.where(keep, jnp.exp(logits - shift[..., None]), 0.0)
   # Slots past a row's length may hold a freed row's stale values: zero them, since
   # 0 * NaN would not be 0.
-  v = jnp.where(s_valid[:, :, None, None], v, jnp.zeros((), v.dtype))
-  o = jnp.einsum("WKGTS,WSKD->WKGTD", p.astype(v.dtype), v,
+  v = jnp.where(s_valid[:, None, :, None], v, jnp.zeros((), v.dtype))
+  o = jnp.einsum("WKGTS,WKSD->WKGTD", p.astype(v.dtype), v,
                  preferred_element_type=jnp.float32)
   return m, p.sum(axis=-1), o
 
