@@ -99,7 +99,8 @@ def test_chunks_cover_each_rows_list_in_order():
 
 def test_splits_merge_by_log_sum_exp():
   """One page a chunk (rows of 4, 1 and 3 pages in 8 chunks; the grid's 10 leave two
-  empty, which write nothing), merged outside the kernel, with sinks."""
+  empty, which write nothing), merged outside the kernel, with sinks. Planted: the merge
+  taking every chunk, written or not - this test failed."""
   got, want, plan = _run_with(dict(per_split=1), "sinks", pages_per_step=1)
   assert (plan.splits, plan.chunks) == (4, 10)
   _check_rows(got, want)
