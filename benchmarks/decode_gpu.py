@@ -8,8 +8,10 @@
 Batches (bfloat16 pages of 64 tokens, N = 16, K = 4, H = D = 128, one query a row,
 causal, attend only: no write): B = 8 rows of 256 to 32512 tokens (benchmarks/decode.py's)
 and B = 1 row of 128k. For each: the step time of decode_attention(implementation=
-"paged_gpu") and of "split" (medians of interleaved rounds, jitted), the largest
-difference between their outputs, and the roofline: the bytes of the keys and values
+"paged_gpu") and of "split" (medians of interleaved rounds, jitted), of the Pallas
+kernel alone (its inputs made beforehand: the step less the XLA ops around it, the
+work list before and the chunks' merge after), the largest difference between the
+two paths' outputs, and the roofline: the bytes of the keys and values
 the rows hold (sum of lengths x K x (H + D) x 2) over the card's HBM bandwidth
 (H100 SXM 3.35 TB/s, H200 4.8 TB/s: NVIDIA's data sheets), the floor of any kernel that
 reads each page once. Nothing is timed on a CPU except in --smoke, which checks that the
@@ -62,6 +64,19 @@ def filled_cache(lengths, max_length, page, heads, dim, dtype):
   return cache
 
 
+def kernel_only(plan, q, cache):
+  """A timer of the Pallas kernel alone, its inputs (work list, chunks) made beforehand:
+  the step's time less the XLA ops around it (the work list before, the merge after).
+  Causal, no mods (the batch's call)."""
+  from jattn._src.decode import paged_gpu
+  options = dict(q_lengths=jnp.ones((q.shape[0],), jnp.int32),
+                 scale=jnp.float32(1 / np.sqrt(q.shape[3])), dtype=q.dtype)
+  inputs = jax.jit(lambda q, c: paged_gpu.prepare(plan, q, c, None, options)[0])(q, cache)
+  tm = (None, (), None, ())  # no mask_mod, no score_mod
+  kernel = jax.jit(lambda inputs: paged_gpu.call_kernel(plan, tm, inputs))
+  return bench._calibrated(lambda: kernel(inputs), jax.block_until_ready)
+
+
 def measure_batch(name, lengths, max_length, *, smoke, rounds, device_kind):
   page, heads, dim, n = (16, 2, 32, 4) if smoke else (PAGE, K, H, N)
   dtype = jnp.bfloat16
@@ -73,8 +88,10 @@ def measure_batch(name, lengths, max_length, *, smoke, rounds, device_kind):
     outs = {impl: np.asarray(f(q, cache), np.float32) for impl, f in calls.items()}
     timers = {impl: bench._calibrated(lambda f=f: f(q, cache), jax.block_until_ready)
               for impl, f in calls.items()}
-    times = bench.interleaved(timers, rounds)
     plan = jattn.explain_decode(q, cache, is_causal=True, implementation="paged_gpu")
+    timers["paged_gpu kernel only"] = kernel_only(plan.choices["cpu" if smoke else "cuda"].plan,
+                                                  q, cache)
+    times = bench.interleaved(timers, rounds)
   median = {impl: statistics.median(t) for impl, t in times.items()}
   kv_bytes = int(sum(lengths)) * heads * 2 * dim * 2  # keys and values, bfloat16
   bandwidth = BANDWIDTH.get(device_kind)
@@ -83,6 +100,7 @@ def measure_batch(name, lengths, max_length, *, smoke, rounds, device_kind):
          "roofline_us": None if roofline is None else 1e6 * roofline,
          "step_us": {impl: 1e6 * t for impl, t in median.items()},
          "paged_gpu_vs_split": median["paged_gpu"] / median["split"],
+         "kernel_share": median["paged_gpu kernel only"] / median["paged_gpu"],
          "paged_gpu_vs_roofline": None if roofline is None else median["paged_gpu"] / roofline,
          "split_vs_roofline": None if roofline is None else median["split"] / roofline,
          "max_abs_difference": float(np.max(np.abs(outs["paged_gpu"] - outs["split"]))),
@@ -91,6 +109,7 @@ def measure_batch(name, lengths, max_length, *, smoke, rounds, device_kind):
         f"{row['step_us']['split']:.1f} us ({row['paged_gpu_vs_split']:.2f}x split), roofline "
         + (f"{row['roofline_us']:.1f} us ({row['paged_gpu_vs_roofline']:.2f}x)"
            if roofline else f"unknown for {device_kind!r}")
+        + f"; the kernel alone {row['step_us']['paged_gpu kernel only']:.1f} us"
         + f"; max |paged_gpu - split| {row['max_abs_difference']:.3g}", flush=True)
   return row
 

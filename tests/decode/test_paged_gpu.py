@@ -23,7 +23,8 @@ from jattn._src.impl.interpret import pallas_interpret
 from tests.decode.test_decode_attention import (B, CASES, FINAL, NEEDED, _data, _empty_cache,
                                                 _late_case, _poison_unread, _s, _t, full_pass)
 from tests.decode.test_paged_tpu import Q_LENGTHS, _check_rows, _filled, _last_queries
-from tests.reference import reference_mods
+from jattn._src.core.softmax import LARGE_NEGATIVE
+from tests.reference import reference_max_logits, reference_mods
 
 pytestmark = pytest.mark.interpret
 
@@ -45,11 +46,21 @@ _REFUSED = ("document", "relative_bias")
 @pytest.mark.parametrize("case", [c if c in _CI else pytest.param(c, marks=pytest.mark.thorough)
                                   for c in CASES if c not in _REFUSED])
 def test_kernel_equals_the_full_pass(case):
+  """The outputs, and the max logits (return_max_logits) against float64's."""
   q, k, v = _data()
-  kwargs, causal = CASES[case][:2]
-  got = _kernel(_last_queries(q), _filled(k, v), is_causal=causal,
-                pages_per_step=_CI.get(case, 2), **kwargs)
+  kwargs, causal, allowed, score = CASES[case][:4]
+  got, top = _kernel(_last_queries(q), _filled(k, v), is_causal=causal,
+                     pages_per_step=_CI.get(case, 2), return_max_logits=True, **kwargs)
   _check_rows(got, full_pass(q, k, v, case))
+  keep = (_s < FINAL[:, None, None, None]) & ((_s <= _t) | (not causal))
+  keep = keep if allowed is None else keep & allowed
+  want = reference_max_logits(q, k, allowed=keep, score=score)  # [B, N, L]
+  want = np.where(np.isfinite(want), want, LARGE_NEGATIVE).transpose(0, 2, 1)  # [B, L, N]
+  top = np.asarray(top)
+  for b in range(B):
+    first = FINAL[b] - Q_LENGTHS[b]
+    np.testing.assert_allclose(top[b, :Q_LENGTHS[b]], want[b, first:FINAL[b]], rtol=1e-5)
+    np.testing.assert_array_equal(top[b, Q_LENGTHS[b]:], np.float32(LARGE_NEGATIVE))  # padding
 
 
 @pytest.mark.parametrize("k_heads", [1, pytest.param(4, marks=pytest.mark.thorough)])
@@ -187,9 +198,6 @@ def test_refusals_say_why():
   # compiled (not interpreted): D = 6 is no Triton tile, pages of 4 under 16 keys a step
   with pytest.raises(ValueError, match="power-of-two sides"):
     jattn.explain_decode(query, cache, implementation="paged_gpu")
-  with pytest.raises(ValueError, match="max logits"):
-    with pallas_interpret():
-      jattn.decode_attention(query, cache, implementation="paged_gpu", return_max_logits=True)
 
 
 def _paged_abstract(B_, max_length, K_, H_, ps, P_, dtype=jnp.bfloat16):
@@ -236,3 +244,21 @@ def test_compiles_for_an_h100_with_the_kernel_and_no_dense_buffer():
     dense_bytes = B_ * N_ * T_ * max_length * 4  # float32 logits [B, N, T, max_length]
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < dense_bytes / 4 and temp < pool_bytes / 8, temp
+
+
+@pytest.mark.compile
+@pytest.mark.thorough
+@pytest.mark.parametrize("page_size, dtype, head", [(128, "bfloat16", 128), (64, "float32", 128),
+                                                    (16, "bfloat16", 64), (64, "float16", 256)])
+def test_compiles_for_an_h100_at_other_pages_dtypes_and_heads(page_size, dtype, head):
+  """Pages of 16 (4 a step), 64 and 128 keys, float32 / 16-bit pages, H = 64 to 256,
+  a chunk of 3 queries with max logits: each compiles with the kernel."""
+  from jattn._src import deviceless_cuda
+  from tests.compile.test_compile_cuda import _custom_calls, _TRITON
+  if deviceless_cuda.missing() is not None:
+    pytest.skip(f"no deviceless CUDA compile: {deviceless_cuda.missing()}")
+  cache = _paged_abstract(2, 4096, 2, head, page_size, 80, jnp.dtype(dtype))
+  q = jax.ShapeDtypeStruct((2, 3, 8, head), jnp.dtype(dtype))
+  compiled = deviceless_cuda.compile_for("h100", lambda q, c: jattn.decode_attention(
+      q, c, implementation="paged_gpu", is_causal=True, return_max_logits=True), q, cache)
+  assert _custom_calls(compiled.as_text(), _TRITON) == ["jattn_paged_decode_gpu"]

@@ -51,6 +51,9 @@ KEYS_PER_SPLIT = 1024
 _MIN_TILE = 16  # Triton's dot takes operands of at least 16 x 16
 NUM_WARPS = 4
 NUM_STAGES = 2
+# Shared memory the pipelined key and value tiles may take (stages x W S x (H + D)): an
+# H100's 227 KiB less room for the rest.
+SMEM_BUDGET = 160 * 2**10
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -115,8 +118,6 @@ def plan(call, platform: str):
     return missing
   if call.mods_reason is not None:
     return call.mods_reason
-  if call.return_max_logits:
-    return "return_max_logits: the kernel does not write the max logits ('split' does)"
   cache_dtype = call.cache_dtype or call.dtype
   if cache_dtype not in _DTYPES:
     return f"it takes float32, bfloat16 or float16 pages, got {cache_dtype}"
@@ -137,6 +138,12 @@ def plan(call, platform: str):
     if not call.interpret and (not _pow2(W) or W * S < _MIN_TILE):
       return (f"pages_per_step {W}: the kernel's step of W x page_size keys is a Triton "
               f"tile, so W a power of two with W x {S} >= {_MIN_TILE}")
+  itemsize = np.dtype(jnp.dtype(cache_dtype)).itemsize
+  smem = NUM_STAGES * W * S * (call.H + call.D) * itemsize
+  if not call.interpret and smem > SMEM_BUDGET:
+    return (f"{smem // 1024} KiB of shared memory for {NUM_STAGES} stages of {W * S} keys "
+            f"and values (H = {call.H}, D = {call.D}, {cache_dtype}), over the kernel's "
+            f"{SMEM_BUDGET // 1024} KiB: a smaller page_size or pages_per_step")
   C = max(W, KEYS_PER_SPLIT // S // W * W)
   G = call.N // call.K
   rows = max(_MIN_TILE, 1 << max(0, (G * call.T - 1).bit_length()))
@@ -161,22 +168,26 @@ def chunks(counts, per_split: int, capacity: int):
 
 
 def run(p: Plan, query, cache, mods, options):
-  """out [B, T, N, D] in options["dtype"]; see the module docstring."""
-  from jax.experimental import pallas as pl
-  from jattn._src.decode import paged_gpu_kernel
-  plgpu = compat.load("pallas_triton")
-
-  B, T, N, H = query.shape
-  K, G, D, R = p.K, p.G, p.D, p.rows
-  GT, capacity = G * T, p.chunks
-  q_lengths = options["q_lengths"]
+  """out [B, T, N, D] in options["dtype"] (and with options["return_max_logits"] the max
+  logits float32 [B, T, N], the chunks' running maxima merged); see the module docstring."""
   mods = None if mods is None else mods.traced()
+  inputs, tm, chunk_table = prepare(p, query, cache, mods, options)
+  return merge(p, *call_kernel(p, tm, inputs), *chunk_table, mods, options)
+
+
+def prepare(p: Plan, query, cache, mods, options):
+  """What the kernel reads, made by XLA before it -> (inputs, tm, (row, n int32 [chunks],
+  overflow bool [B])); mods traced (`Mods.traced`) or None."""
+  B, T, N, H = query.shape
+  K, G, R = p.K, p.G, p.rows
+  GT = G * T
+  q_lengths = options["q_lengths"]
   _, q_pos, q_valid, q_first = _split._queries(query, cache, q_lengths)
   needed = _split.needed_pages(mods, cache, q_first=q_first, q_pos=q_pos, q_valid=q_valid,
                                q_lengths=q_lengths, causal=p.causal, window=p.window, T=T,
                                N=N, W=max(1, 1024 // p.page_size))
   pages, slots, counts = _paged_tpu.work_list(cache, needed)
-  row, lo, n, overflow = chunks(counts, p.per_split, capacity)
+  row, lo, n, overflow = chunks(counts, p.per_split, p.chunks)
   # [B, T, K, G, H] -> [B, K, G T, H]: a kv head's G heads and T queries, one tile, padded
   q = jnp.einsum("BTKGH->BKGTH", query.reshape(B, T, K, G, H)).reshape(B, K, GT, H)
   q = jnp.pad(q.astype(cache.key_pages.dtype), ((0, 0), (0, 0), (0, R - GT), (0, 0)))
@@ -186,14 +197,23 @@ def run(p: Plan, query, cache, mods, options):
   score_consts = () if score_jaxpr is None else tuple(mods.score_consts)
   tm = (mask_jaxpr, tile_mods.consts_meta(mask_consts), score_jaxpr,
         tile_mods.consts_meta(score_consts))
-  consts = [_flat(x) for x in mask_consts + score_consts]
-  scalars = [row, lo, n, pages, slots, cache.lengths.astype(jnp.int32),
-             q_first.astype(jnp.int32), q_lengths.astype(jnp.int32),
-             jnp.asarray(options["scale"], jnp.float32).reshape(1)]
+  inputs = [q, row, lo, n, pages, slots, cache.lengths.astype(jnp.int32),
+            q_first.astype(jnp.int32), q_lengths.astype(jnp.int32),
+            jnp.asarray(options["scale"], jnp.float32).reshape(1), cache.key_pages,
+            cache.value_pages, *[_flat(x) for x in mask_consts + score_consts]]
+  return inputs, tm, (row, n, overflow)
+
+
+def call_kernel(p: Plan, tm, inputs):
+  """The Pallas Triton kernel on `prepare`'s inputs -> (m, l float32 [chunks, K, R],
+  o float32 [chunks, K, R, D]): each chunk's partial softmax (unwritten where n = 0)."""
+  from jax.experimental import pallas as pl
+  from jattn._src.decode import paged_gpu_kernel
+  plgpu = compat.load("pallas_triton")
+  K, R, D, capacity = p.K, p.rows, p.D, p.chunks
   whole = lambda x: pl.BlockSpec(x.shape, lambda c, k: (0,) * x.ndim)
-  inputs = [q, *scalars, cache.key_pages, cache.value_pages, *consts]
   stat = pl.BlockSpec((None, None, R), lambda c, k: (c, k, 0))
-  m, l, o = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(paged_gpu_kernel.kernel, p=p, tm=tm),
       grid=(capacity, K),
       in_specs=[whole(x) for x in inputs],  # q too: chunk c's row is known in the kernel
@@ -204,9 +224,15 @@ def run(p: Plan, query, cache, mods, options):
       interpret=p.interpret,
       name="jattn_paged_decode_gpu",
   )(*inputs)
-  # merge the chunks of each row by log-sum-exp; a chunk that read no page wrote nothing
-  # (its outputs are whatever the buffer held): left out. The sums are a one-hot
-  # contraction (no scatter, no atomics: the same bits every run).
+
+
+def merge(p: Plan, m, l, o, row, n, overflow, mods, options):
+  """The chunks of each row merged by log-sum-exp, then `tile.finish` (sinks) -> `run`'s
+  result. A chunk that read no page wrote nothing (its outputs are whatever the buffer
+  held): left out. The sums are a one-hot contraction (no scatter, no atomics: the same
+  bits every run)."""
+  B, K, G, T, D = overflow.shape[0], p.K, p.G, p.T, p.D
+  GT = G * T
   wrote = (n > 0)[:, None, None]  # [C, 1, 1]
   m = jnp.where(wrote, m[..., :GT], -jnp.inf)
   m_all = jnp.maximum(jax.ops.segment_max(m, row, num_segments=B), _LARGE_NEGATIVE)
@@ -218,10 +244,11 @@ def run(p: Plan, query, cache, mods, options):
   l = jnp.einsum("BC,CKR->BKR", onehot, l, precision=exact)
   o = jnp.einsum("BC,CKRD->BKRD", onehot, o, precision=exact)
   carry = (m_all.reshape(B, K, G, T), l.reshape(B, K, G, T), o.reshape(B, K, G, T, D))
-  out = _tile.finish(carry, None if mods is None else mods.sinks, options["dtype"])
+  got = _split._outputs(carry, mods, options["dtype"], options.get("return_max_logits", False))
   # a row with more chunks than the grid holds (a page listed twice): NaN, never a
   # value missing some of its keys
-  return jnp.where(overflow[:, None, None, None], jnp.nan, out)
+  nan = lambda x: jnp.where(overflow.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.nan, x)
+  return tuple(map(nan, got)) if isinstance(got, tuple) else nan(got)
 
 
 def _flat(c):
