@@ -13,11 +13,11 @@ kv head together, and returns its partial softmax. The splits are merged here
 by log-sum-exp, and `tile.finish` divides and adds sinks.
 
 Why Pallas Triton and not Mosaic GPU (TMA): a decode step is bound by HBM
-reads, and a page is one small strided block ([S, H] of one kv head in the
-[P, S, K, H] pool); Triton's gather load takes a tile of pages by their ids in
-one instruction stream and its software pipeliner (num_stages) overlaps the
-next step's loads with this step's math, which is what TMA-by-page-index
-would buy, without one TMA descriptor per page layout. Triton also runs on
+reads, and a page of one kv head is one small contiguous block ([S, H] in the
+[P, K, S, H] pool), which a TMA copy by page index could fetch as one box;
+Triton's gather load takes a step's pages by their ids as 16-byte loads and its
+software pipeliner (num_stages) overlaps the next step's loads with this
+step's math (cp.async), which is what TMA would buy here. Triton also runs on
 Ampere as on Hopper, in interpret mode on jax 0.10 (the GPU interpreter of
 Mosaic GPU needs jax >= 0.11), and shares `tile_mods` and its conventions
 with "flex_gpu". Mosaic GPU's wgmma wants 64 query rows per warpgroup, where a

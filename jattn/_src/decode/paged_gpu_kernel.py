@@ -39,11 +39,11 @@ from jattn._src.kernels import tile_mods
 def _at_page(pool, page, slot, k):
   """The pool's rows of kv head k at (page[i], slot[i]) for each i: a ref view [W S, X].
 
-  pool [P, S, K, X] (keys X = H, values X = D). The one function that knows the
-  pool's layout: for [P, K, S, X] it would index (page, k, slot, feature). Every
+  pool [P, K, S, X] (keys X = H, values X = D: each kv head's tokens of a page
+  contiguous, S X elements). The one function that knows the pool's layout. Every
   index an int array (a gather: interpret mode takes no slice beside them)."""
   feature = jnp.arange(pool.shape[-1], dtype=jnp.int32)[None, :]
-  return pool.at[page[:, None], slot[:, None], k, feature]
+  return pool.at[page[:, None], k, slot[:, None], feature]
 
 
 def _dot(a, b, contract):
