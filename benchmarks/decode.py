@@ -25,6 +25,14 @@ and the cache memory of each (bytes of its key and value arrays).
 `benchmarks/decode_tpu.py` says how), in a venv with libtpu:
 
   JAX_PLATFORMS=cpu python benchmarks/decode.py --tpu [--out FILE]
+
+`--gpu` instead times, on a lent NVIDIA GPU, the "paged_gpu" kernel against "split" and
+the HBM roofline (bfloat16; B = 8 rows of 256 to 32k and B = 1 of 128k;
+`benchmarks/decode_gpu.py` says how); with --smoke, a CPU rehearsal (the kernel
+interpreted, tiny rows):
+
+  PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 benchmarks/decode.py --gpu \
+      --out $OUT/decode_gpu.json [--rounds 7] [--deadline 300]
 """
 
 from __future__ import annotations
@@ -146,7 +154,16 @@ def main():
   parser.add_argument("--smoke", action="store_true", help="tiny lengths, 2 steps")
   parser.add_argument("--tpu", action="store_true",
                       help="estimates for TPU v5e / v6e from deviceless compiles")
+  parser.add_argument("--gpu", action="store_true",
+                      help="paged_gpu vs split vs the HBM roofline on a lent GPU")
+  parser.add_argument("--rounds", type=int, default=7, help="--gpu: interleaved rounds")
+  parser.add_argument("--deadline", type=float, default=300.0,
+                      help="--gpu: no new batch starts after this many seconds")
   args = parser.parse_args()
+  if args.gpu:
+    from benchmarks import decode_gpu
+    sys.exit(decode_gpu.main(args.out, smoke=args.smoke, rounds=args.rounds,
+                             deadline=args.deadline))
   if args.tpu:
     from benchmarks import decode_tpu
     decode_tpu.main(args.out)

@@ -6,7 +6,10 @@
 
 For flex_gpu's three Triton kernels (forward, dq, dk/dv) and flex_mgpu's three Mosaic GPU
 kernels, each case's `jax.grad` program is compiled by `jattn._src.deviceless_cuda` (no
-GPU) and the compilers' own output is read:
+GPU), and for paged_gpu's decode kernel (Triton) one `decode_attention` step of
+benchmarks/decode.py's batch (B = 8 rows of up to 32k, pages of 64, N = 16, K = 4, the
+--H and --dtype given; causal and soft_cap: it takes no documents); the compilers' own
+output is read:
   registers per thread, spill stores / loads, barriers   ptxas -v (Mosaic GPU: its own
                                                          ptxas log, MOSAIC_GPU_DUMP_PTXAS;
                                                          Triton: ptxas -v -O3 run here on the
@@ -52,7 +55,11 @@ from jattn import mods  # noqa: E402
 from jattn._src import deviceless_cuda  # noqa: E402
 
 KERNELS = {"flex_gpu": ("jattn_flex_gpu_fwd", "jattn_flex_gpu_dq", "jattn_flex_gpu_dkv"),
-           "flex_mgpu": ("jattn_flex_mgpu_fwd", "jattn_flex_mgpu_dq", "jattn_flex_mgpu_dkv")}
+           "flex_mgpu": ("jattn_flex_mgpu_fwd", "jattn_flex_mgpu_dq", "jattn_flex_mgpu_dkv"),
+           "paged_gpu": ("jattn_paged_decode_gpu",)}
+# paged_gpu's decode step: benchmarks/decode.py's batch (B = 8 rows of up to 32k, pages of
+# 64 in a pool of 600, N = 16, K = 4), one query a row (T = 1), no write
+DECODE = dict(B=8, max_length=32768, page_size=64, num_pages=600, N=16, K=4)
 DOCUMENTS = 16
 SOFT_CAP = 30.0
 _MOSAIC_DUMPS = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_RESOURCES")
@@ -73,7 +80,25 @@ def case_kwargs(case: str, B: int, T: int, N: int) -> dict:
   raise ValueError(f"case must be causal, soft_cap or documents, got {case!r}")
 
 
+def decode_program(case: str, *, H, dtype):
+  """paged_gpu's forward decode step (it has no backward): causal, soft_cap (causal)."""
+  if case not in ("causal", "soft_cap"):
+    raise ValueError(f"paged_gpu takes no per-token arrays: case {case!r} is not compiled")
+  kw = dict(is_causal=True)
+  if case == "soft_cap":
+    kw["score_mod"] = mods.soft_cap(SOFT_CAP)
+  d = DECODE
+  cache = jax.eval_shape(lambda: jattn.paged.init_cache(
+      d["B"], d["max_length"], num_kv_heads=d["K"], head_dim=H, page_size=d["page_size"],
+      num_pages=d["num_pages"], dtype=jnp.dtype(dtype)))
+  q = jax.ShapeDtypeStruct((d["B"], 1, d["N"], H), jnp.dtype(dtype))  # [B, T, N, H]
+  return (lambda q, c: jattn.decode_attention(q, c, implementation="paged_gpu", **kw)), (
+      q, cache)
+
+
 def program(implementation: str, case: str, *, B, T, N, H, dtype):
+  if implementation == "paged_gpu":
+    return decode_program(case, H=H, dtype=dtype)
   kw = case_kwargs(case, B, T, N)
   x = jax.ShapeDtypeStruct((B, T, N, H), jnp.dtype(dtype))  # [B, T, N, H]
 
@@ -358,6 +383,8 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory(prefix="gpu_static_") as work:
     for implementation in args.implementations:
       for case in args.cases:
+        if implementation == "paged_gpu" and case == "documents":
+          continue  # refused by its plan (a per-token array): nothing to compile
         try:
           results.append(measure(implementation, case, target=args.target, B=args.B,
                                  T=args.T, N=args.N, H=args.H, dtype=args.dtype, tools=tools,
@@ -370,7 +397,9 @@ def main(argv=None) -> int:
               "ptxas": subprocess.run([tools["ptxas"], "--version"], capture_output=True,
                                       text=True).stdout.strip().splitlines()[-1]}
   print(f"{device} (compile-only, {args.target}), jax {versions['jax']}, {versions['ptxas']}; "
-        f"B={args.B} T=S={args.T} N=K={args.N} H=D={args.H} {args.dtype}, jax.grad programs")
+        f"B={args.B} T=S={args.T} N=K={args.N} H=D={args.H} {args.dtype}, jax.grad programs"
+        + ("; paged_gpu: one decode step, B=8 rows of up to 32k, pages of 64, N=16 K=4, "
+           f"H=D={args.H}" if "paged_gpu" in args.implementations else ""))
   print(table(results))
   for e in errors:
     print(f"error: {e['implementation']} {e['case']}: {e['error'][:300]}")

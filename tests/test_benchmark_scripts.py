@@ -62,6 +62,22 @@ def test_decode_benchmark_runs_in_smoke_mode():
   assert "paged (split)" in done.stdout and "torch SDPA" in done.stdout
 
 
+@pytest.mark.slow
+def test_the_gpu_decode_timing_rehearses_on_this_cpu(tmp_path):
+  """benchmarks/decode.py --gpu --smoke: the GPU decode stage (paged_gpu interpreted
+  against split, tiny rows) runs end to end, so the next session with a GPU has it."""
+  out = tmp_path / "decode_gpu.json"
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--gpu",
+                         "--smoke", "--out", str(out)], capture_output=True, text=True,
+                        timeout=600, cwd="/")
+  assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+  report = json.loads(out.read_text())
+  [row] = report["results"]
+  assert not report["errors"] and set(row["step_us"]) == {"paged_gpu", "split",
+                                                             "paged_gpu kernel only"}
+  assert row["max_abs_difference"] < 0.05  # bfloat16 outputs of two paths
+
+
 @pytest.mark.thorough
 def test_context_parallel_benchmark_runs_at_small_sizes(tmp_path):
   """benchmarks/context_parallel.py at T = 4096 (plan only), memory at one size, timing at

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_static.py --smoke: the static report of the six GPU kernels runs on this
+"""benchmarks/gpu_static.py --smoke: the static report of the seven GPU kernels runs on this
 CPU (deviceless compile for an H100) and reads every figure from the compilers' output."""
 
 import json
@@ -29,7 +29,8 @@ def test_gpu_static_reports_every_kernel_in_smoke_mode(tmp_path):
   assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and not report["errors"]
   kernels = {name: k for r in report["results"] for name, k in r["kernels"].items()}
   assert sorted(kernels) == sorted(
-      f"jattn_{impl}_{part}" for impl in ("flex_gpu", "flex_mgpu") for part in ("fwd", "dq", "dkv"))
+      [f"jattn_{impl}_{part}" for impl in ("flex_gpu", "flex_mgpu") for part in ("fwd", "dq", "dkv")]
+      + ["jattn_paged_decode_gpu"])
   for name, k in kernels.items():
     assert 0 < k["registers"] <= 255 and k["barriers"] >= 1, (name, k)
     assert k["threads_per_block"] % 128 == 0 and k["dynamic_smem_bytes"] > 0, (name, k)
@@ -38,7 +39,9 @@ def test_gpu_static_reports_every_kernel_in_smoke_mode(tmp_path):
       assert k["registers_ptxas_here"] == k["registers"], (name, k)
     if report["nvdisasm"]:  # a Hopper kernel's loop runs its products on the tensor cores
       loop = k["inner_loop"]
-      assert loop["tensor_core"] >= 1 and all(f.startswith("HGMMA") for f in
+      # the decode kernel's 16-row query tile is under wgmma's 64 rows: mma.sync (HMMA)
+      form = "HMMA" if name == "jattn_paged_decode_gpu" else "HGMMA"
+      assert loop["tensor_core"] >= 1 and all(f.startswith(form) for f in
                                                loop["tensor_core_forms"]), (name, loop)
       assert loop["instructions"] < loop["kernel_instructions"]
   assert "jattn_flex_mgpu_dkv" in done.stdout  # the table

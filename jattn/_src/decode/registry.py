@@ -8,12 +8,15 @@ reason it refuses), chosen when the program is lowered.
   "xla":   every row's whole block table gathered, one dense tile (the reference);
   "paged_tpu": a Pallas TPU kernel DMA-ing the listed pages from the pool (`paged_tpu`),
            the default on TPU where it takes the call ("split" where it refuses).
+  "paged_gpu": a Pallas Triton kernel reading the listed pages from the pool by page id
+           (`paged_gpu`), selectable on CUDA by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from jattn._src.decode import paged_gpu as _paged_gpu
 from jattn._src.decode import paged_tpu as _paged_tpu
 from jattn._src.decode import split as _split
 from jattn._src.impl.interpret import interpreting
@@ -127,11 +130,20 @@ def _run_paged_tpu(plan, query, cache, mods, options):
   return _split.differentiable(forward, query, cache, mods, **options)
 
 
+def _run_paged_gpu(plan, query, cache, mods, options):
+  # gradients as the split path's: the dense recomputation's (the kernel has no backward)
+  forward = lambda query, cache, mods, **options: _paged_gpu.run(plan, query, cache, mods,
+                                                                 options)
+  return _split.differentiable(forward, query, cache, mods, **options)
+
+
 DECODE_IMPLEMENTATIONS = {
     "split": Implementation("split", _split_plan, _run_split),
     "xla": Implementation("xla", _gather_all_plan, _run_dense),
     "paged_tpu": Implementation("paged_tpu", _paged_tpu.plan, _run_paged_tpu,
                                 platforms=("tpu",), interpretable=True),
+    "paged_gpu": Implementation("paged_gpu", _paged_gpu.plan, _run_paged_gpu,
+                                platforms=("cuda",), interpretable=True),
 }
 
 
@@ -141,7 +153,10 @@ def decode_preference(call: DecodeCall, platform: str) -> tuple[str, ...]:
   (DMA-bound: about 90 bundles a page of 64 against 140 to 240 cycles of HBM time),
   3.7 to 4.2x faster than "split"'s bytes alone (benchmarks/decode_tpu.py,
   benchmarks/results/tpu_decode_estimates.json, docs/sampling.md; estimates, no TPU
-  ran). Elsewhere the split path."""
+  ran). On CUDA "paged_gpu" only when named: no card has timed it. Elsewhere the split
+  path."""
   if platform == "tpu":
     return ("paged_tpu", "split", "xla")
+  if platform == "cuda":  # NOT MEASURED on a GPU: "paged_gpu" only when named
+    return ("split", "paged_gpu", "xla")
   return ("split", "xla")
