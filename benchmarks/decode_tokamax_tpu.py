@@ -15,9 +15,9 @@ decode/prefill split) are traced. The call skips the cache update (attention
 only, as jattn's estimate) but returns the cache. Reported: the compile time,
 the program's temporaries, XLA's bytes accessed, and the bundles of its decode
 kernel's final schedule (LIBTPU_INIT_ARGS=--xla_jf_dump_to, set by this script
-before libtpu loads). Its decode kernel is straight-line code run once per grid
-step of a schedule computed at run time, so its bundles are not turned into a
-time here.
+before libtpu loads). Its decode kernel is a loop over the steps of a schedule
+computed at run time, with nested loops whose trip counts that schedule sets, so
+its bundles are not turned into a time here (docs/sampling.md).
 """
 
 from __future__ import annotations
