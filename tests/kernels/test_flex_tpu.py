@@ -601,7 +601,8 @@ def test_through_dot_product_attention_values_and_gradients():
 
 
 @pytest.mark.parametrize("T_, S_, structure", [
-    (400, 400, MaskSpec(is_causal=True, local_window=(100, 0))),
+    pytest.param(400, 400, MaskSpec(is_causal=True, local_window=(100, 0)),
+                 marks=pytest.mark.thorough),
     (400, 400, MaskSpec(is_causal=True, local_window=(150, 0))),
     (300, 400, MaskSpec(local_window=(90, 60))),
 ], ids=["causal_window", "wide_causal_window", "wide_two_sided_window"])

@@ -75,6 +75,7 @@ def test_forward_dq_dkdv_under_the_tpu_interpreter(skip):
   assert np.isfinite(np.asarray(grads[3])).all()  # the slopes' (dq kernel): no NaN read
 
 
+@pytest.mark.thorough  # about a minute on a quiet 2-core host
 def test_window_grid_over_only_the_nonempty_tiles_under_the_tpu_interpreter():
   """The compacted grids (each row's non-empty kv tiles, each column's non-empty query
   tiles, grouped heads: steps r = g Wq + w of dk/dv) under the TPU interpreter: no race,
