@@ -689,3 +689,31 @@ def test_grid_widths_are_the_most_nonempty_tiles_of_a_row_and_a_column():
       for q0, k0 in rng.integers(0, 2000, (5, 2)):
         want = brute(T_, S_, bq, bk, causal, window, int(q0), int(k0))
         assert got[0] >= want[0] and got[1] >= want[1], (T_, S_, bq, bk, window, q0, k0)
+
+
+def test_window_grid_at_ring_offsets_values_and_gradients():
+  """A ring step (traced global offsets) with causal and a wide window: the grid widths
+  from the band's width alone (fewer than the tiles), the band's one bound per tile at
+  global positions; out, lse and dq, dk, dv against float64 NumPy."""
+  from jattn._src.kernels.tile_classes import grid_widths
+  from tests.reference_grads import reference_mods_vjp
+  T_, S_, H_, q0, k0 = 400, 640, 32, 300, 100
+  q, k, v = _inputs(T=T_, S=S_, H=H_, D=H_)
+  d_out = jnp.asarray(np.random.default_rng(7).normal(size=(B, T_, N, H_)), jnp.float32)
+  m = Modifiers(structure=MaskSpec(is_causal=True, local_window=(150, 0)), scale=1 / np.sqrt(H_))
+  p = flex_tpu.plan(B=B, T=T_, S=S_, N=N, K=K, H=H_, D=H_, dtype=q.dtype, modifiers=m,
+                    block_q=16, block_kv=128, interpret=True, offsets=True)
+  assert not isinstance(p, str) and p.skip, p
+  assert grid_widths(p) == (3, 19)  # of 5 kv tiles and 25 query tiles
+  lay = Layout("BTNH")
+  step = jax.jit(lambda q, k, v, a, c: flex_tpu_call.step_forward(p, lay, q, k, v, None, a, c))
+  out, lse, _ = step(q, k, v, q0, k0)
+  grads = jax.jit(lambda q, k, v, a, c, o, l, d: flex_tpu_call.step_backward(
+      p, lay, q, k, v, m, a, c, o, l, d))(q, k, v, q0, k0, out, lse, d_out)
+  t, s = q0 + np.arange(T_)[:, None], k0 + np.arange(S_)[None, :]
+  allowed = ((s <= t) & (s >= t - 150))[None, None]
+  want, dq, dk, dv = reference_mods_vjp(q, k, v, d_out, allowed=allowed)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(lse, _lse(q, k, allowed), atol=2e-5, rtol=1e-5)
+  for g, w in zip(grads[:3], (dq, dk, dv)):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
