@@ -211,12 +211,14 @@ KERNELS = {"flex_tpu": {"fwd": "jattn_flex_tpu_fwd", "dq": "jattn_flex_tpu_dq",
 _COMPILE_VERSION = 1  # bump when what compile_case compiles or parses changes
 
 
-def _fingerprint(*parts) -> str:
-  """The cache key of a compile: its arguments and the kernels' sources."""
-  src = [ROOT / "jattn/_src/kernels/flex_tpu_kernels.py", ROOT / "jattn/_src/kernels/flex_tpu.py",
-         ROOT / "jattn/_src/kernels/tile_mods.py", ROOT / "jattn/_src/kernels/tile_classes.py",
-         ROOT / "jattn/_src/impl/fused.py"]
-  h = hashlib.sha256(repr((_COMPILE_VERSION,) + parts).encode())
+def _fingerprint(impl, *parts) -> str:
+  """The cache key of a compile: its arguments and the sources of its kernels (splash's
+  jattn path alone for splash, so that a change to flex_tpu keeps splash's compiles)."""
+  src = [ROOT / "jattn/_src/impl/fused.py"]
+  if impl == "flex_tpu":
+    src += [ROOT / f"jattn/_src/kernels/{f}.py" for f in (
+        "flex_tpu_kernels", "flex_tpu", "tile_mods", "tile_classes", "kernel_plan")]
+  h = hashlib.sha256(repr((_COMPILE_VERSION, impl) + parts).encode())
   for f in src:
     h.update(f.read_bytes())
   return h.hexdigest()[:16]
@@ -257,7 +259,7 @@ def _child(gen, impl, case, H, K_ratio, cache_dir):
 def compile_case(gen, impl, case, H, K_ratio, dump_dir, cache_dir):
   """{kernel role: the parsed paths} of jax.grad of one call, compiled for `gen`.
   K_ratio: G = N / K of the compiled call (1: K = N)."""
-  key = _fingerprint(gen, impl, case, H, K_ratio, T_COMPILE, N_COMPILE)
+  key = _fingerprint(impl, gen, case, H, K_ratio, T_COMPILE, N_COMPILE)
   cached = pathlib.Path(cache_dir) / f"{key}.json"
   if cached.exists():
     return json.loads(cached.read_text())
@@ -326,9 +328,16 @@ def flex_counts(case, T, N, K, H):
   classes = np.broadcast_to(classes, (1, N) + classes.shape[2:])
   nq, nk = classes.shape[2:]
   from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL
+  full, partial = int((classes == FULL).sum()), int((classes == PARTIAL).sum())
+  # the grid's inner extent: each row's non-empty tiles only, padded to the widest row
+  # (`tile_classes.grid_widths`), or every tile (a kernel without it)
+  import jattn._src.kernels.tile_classes as tc
+  kv_w, q_w = tc.grid_widths(p) if hasattr(tc, "grid_widths") and p.skip else (nk, nq)
+  G = N // K
   return dict(block_q=p.block_q, block_kv=p.block_kv, rows=N * nq, kv_rows=K * nk,
-              steps=int(classes.size), full=int((classes == FULL).sum()),
-              partial=int((classes == PARTIAL).sum()), empty=int((classes == EMPTY).sum()))
+              grid_width=kv_w, q_grid_width=q_w, full=full, partial=partial,
+              steps=N * nq * kv_w, empty=N * nq * kv_w - full - partial,
+              dkv_steps=K * nk * G * q_w, dkv_empty=K * nk * G * q_w - full - partial)
 
 
 def splash_counts(case, T, N, K, H):
@@ -404,7 +413,8 @@ def estimate(gen, impl, role, p, counts, H, D, T, N, K):
   bf, f32, lanes = 2, 4, 128
   if impl == "flex_tpu":
     bq, bk = counts["block_q"], counts["block_kv"]
-    run, empty = counts["full"] + counts["partial"], counts["empty"]
+    run = counts["full"] + counts["partial"]
+    empty = counts["empty"] if role != "dkv" else counts.get("dkv_empty", counts["empty"])
     full, partial = counts["full"], counts["partial"]
     rows = counts["rows"] if role != "dkv" else counts["kv_rows"]
   else:
@@ -453,6 +463,8 @@ def main(argv=None):
   ap.add_argument("--out", default=str(ROOT / "benchmarks/results/tpu_schedule.json"))
   ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "jattn_tpu_schedule"))
   ap.add_argument("--label", default="current")
+  ap.add_argument("--cases", nargs="+", default=None,
+                  help="only these masks (of causal window documents softcap alibi relbias)")
   ap.add_argument("--smoke", action="store_true",
                   help="v5e, H = 128, causal only (flex_tpu and splash): the compile tier's check")
   ap.add_argument("--tables", action="store_true",
@@ -472,6 +484,9 @@ def main(argv=None):
   N = 16
   flex_cases = ("causal",) if args.smoke else FLEX_CASES
   splash_cases = ("causal",) if args.smoke else SPLASH_CASES
+  if args.cases:
+    flex_cases = tuple(c for c in flex_cases if c in args.cases)
+    splash_cases = tuple(c for c in splash_cases if c in args.cases)
   rows, compiled = [], {}
   t_start = time.time()
   try:

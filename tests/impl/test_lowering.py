@@ -194,6 +194,12 @@ def test_explain_reports_plans_and_reasons_for_every_platform():
   # causal alone: splash first, as before, with no why
   causal = jattn.explain(q, q, q, is_causal=True)
   assert causal.implementation("tpu") == "splash" and causal.choices["tpu"].why is None
+  # a local window on TPU: flex_tpu first (its grid runs only the window's tiles), says why
+  window = jattn.explain(q, q, q, is_causal=True, local_window_size=(255, 0))
+  assert window.implementation("tpu") == "flex_tpu"
+  assert "runs only each row's tiles in the window" in window.choices["tpu"].why
+  assert jattn.explain(q, q, q, is_causal=True, local_window_size=(255, 0),
+                       implementation="splash").implementation("tpu") == "splash"
   # an explicit implementation that cannot run somewhere is reported, not raised
   report = jattn.explain(q, q, q, implementation="splash", bias=jnp.zeros(()))
   assert report.implementation("tpu") is None

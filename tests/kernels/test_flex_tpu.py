@@ -598,3 +598,122 @@ def test_through_dot_product_attention_values_and_gradients():
     numeric = (f(1e-4) - f(-1e-4)) / 2e-4
     np.testing.assert_allclose(np.sum(np.asarray(g, np.float64) * d), numeric, rtol=2e-4,
                                atol=2e-4, err_msg=f"gradient {i}")
+
+
+@pytest.mark.parametrize("T_, S_, structure", [
+    pytest.param(400, 400, MaskSpec(is_causal=True, local_window=(100, 0)),
+                 marks=pytest.mark.thorough),
+    (400, 400, MaskSpec(is_causal=True, local_window=(150, 0))),
+    (300, 400, MaskSpec(local_window=(90, 60))),
+], ids=["causal_window", "wide_causal_window", "wide_two_sided_window"])
+def test_window_grid_over_only_the_nonempty_tiles(T_, S_, structure):
+  """The grids run only each row's (column's) non-empty tiles (`grid_widths` fewer than
+  the tiles), and the band mask (`band_keep`: the wide windows, 150 and 90 + 60 >= 16 +
+  128 - 2, test one bound per tile): values, lse and the gradients of q, k, v and ALiBi's slopes, grouped heads,
+  against float64 NumPy (the slopes' by central differences of the float64 forward)."""
+  from jattn._src.kernels.tile_classes import grid_widths
+  from tests.reference_grads import reference_mods_vjp
+  N_, K_, H_ = 2, 1, 32
+  q, k, v = _inputs(T=T_, S=S_, N=N_, K=K_, H=H_, D=H_)
+  cot = jnp.asarray(np.random.default_rng(5).normal(size=(B, T_, N_, H_)), jnp.float32)
+  slopes = np.asarray([0.03, -0.02], np.float32)
+  lay = Layout("BTNH")
+
+  def run(q, k, v, slopes):
+    mods = build_mods(None, jattn.mods.alibi(slopes), None, None, N=N_)
+    m = Modifiers(mods=mods, structure=structure, scale=1 / np.sqrt(H_))
+    p = flex_tpu.plan(B=B, T=T_, S=S_, N=N_, K=K_, H=H_, D=H_, dtype=q.dtype, modifiers=m,
+                      block_q=16, block_kv=128, interpret=True)
+    assert not isinstance(p, str) and p.skip, p
+    W, Wq = grid_widths(p)
+    assert W < p.S_padded // 128 and Wq < p.T_padded // 16, (W, Wq)  # the grids shrink
+    out, _, lse = flex_tpu_call.run(p, q, k, v, m, lay)[:3]
+    return jnp.sum(out * cot), (out, lse)
+
+  (_, (out, lse)), grads = jax.value_and_grad(run, argnums=(0, 1, 2, 3), has_aux=True)(
+      q, k, v, jnp.asarray(slopes))
+  t, s = np.arange(T_)[:, None], np.arange(S_)[None, :]
+  left, right = structure.local_window
+  allowed = (s >= t - left) & (s <= t + right)
+  if structure.is_causal:
+    allowed &= s <= t
+  allowed = allowed[None, None]
+  score = lambda sl: (lambda x: x + np.asarray(sl, np.float64)[None, :, None, None] * (s - t))
+  want, dq, dk, dv = reference_mods_vjp(q, k, v, cot, allowed=allowed, score=score(slopes))
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+  bias = slopes[None, :, None, None].astype(np.float64) * (s - t)
+  np.testing.assert_allclose(lse, _lse(q, k, allowed, bias=bias), atol=2e-5, rtol=1e-5)
+  for g, w in zip(grads[:3], (dq, dk, dv)):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+  for n in range(N_):
+    e = np.zeros(N_)
+    e[n] = 1e-4
+    f = lambda x: np.sum(reference_mods_vjp(q, k, v, cot, allowed=allowed,
+                                            score=score(slopes + x))[0] * np.asarray(cot))
+    np.testing.assert_allclose(grads[3][n], (f(e) - f(-e)) / 2e-4, rtol=1e-3, atol=1e-4)
+
+
+def test_grid_widths_are_the_most_nonempty_tiles_of_a_row_and_a_column():
+  """`grid_widths` against the dense mask's tiles counted by brute force: exact without
+  offsets, and an upper bound at any offsets (a ring step's traced positions)."""
+  from jattn._src.kernels.tile_classes import grid_widths
+
+  def brute(T_, S_, bq, bk, causal, window, q0=0, k0=0):
+    t, s = q0 + np.arange(T_)[:, None], k0 + np.arange(S_)[None, :]
+    ok = np.ones((T_, S_), bool)
+    if causal:
+      ok &= s <= t
+    if window is not None:
+      ok &= (s >= t - window[0]) & (s <= t + window[1])
+    nq, nk = -(-T_ // bq), -(-S_ // bk)
+    ok = np.pad(ok, ((0, nq * bq - T_), (0, nk * bk - S_)))
+    tiles = ok.reshape(nq, bq, nk, bk).any(axis=(1, 3))
+    return max(tiles.sum(1).max(), 1), max(tiles.sum(0).max(), 1)
+
+  rng = np.random.default_rng(0)
+  for _ in range(40):
+    T_, S_ = (int(x) for x in rng.integers(1, 700, 2))
+    bq, bk = int(rng.choice([8, 16, 64])), int(rng.choice([128, 256]))
+    causal = bool(rng.integers(2))
+    window = None if rng.integers(4) == 0 else tuple(int(x) for x in rng.integers(0, 300, 2))
+    if not causal and window is None:
+      continue
+    m = Modifiers(structure=MaskSpec(is_causal=causal, local_window=window), scale=1.0)
+    for offsets in (False, True):
+      p = flex_tpu.plan(B=1, T=T_, S=S_, N=1, K=1, H=8, D=8, dtype=jnp.float32, modifiers=m,
+                        block_q=bq, block_kv=bk, interpret=True, offsets=offsets)
+      got = grid_widths(p)
+      if not offsets:
+        assert got == brute(T_, S_, bq, bk, causal, window), (T_, S_, bq, bk, causal, window)
+        continue
+      for q0, k0 in rng.integers(0, 2000, (5, 2)):
+        want = brute(T_, S_, bq, bk, causal, window, int(q0), int(k0))
+        assert got[0] >= want[0] and got[1] >= want[1], (T_, S_, bq, bk, window, q0, k0)
+
+
+def test_window_grid_at_ring_offsets_values_and_gradients():
+  """A ring step (traced global offsets) with causal and a wide window: the grid widths
+  from the band's width alone (fewer than the tiles), the band's one bound per tile at
+  global positions; out, lse and dq, dk, dv against float64 NumPy."""
+  from jattn._src.kernels.tile_classes import grid_widths
+  from tests.reference_grads import reference_mods_vjp
+  T_, S_, H_, q0, k0 = 400, 640, 32, 300, 100
+  q, k, v = _inputs(T=T_, S=S_, H=H_, D=H_)
+  d_out = jnp.asarray(np.random.default_rng(7).normal(size=(B, T_, N, H_)), jnp.float32)
+  m = Modifiers(structure=MaskSpec(is_causal=True, local_window=(150, 0)), scale=1 / np.sqrt(H_))
+  p = flex_tpu.plan(B=B, T=T_, S=S_, N=N, K=K, H=H_, D=H_, dtype=q.dtype, modifiers=m,
+                    block_q=16, block_kv=128, interpret=True, offsets=True)
+  assert not isinstance(p, str) and p.skip, p
+  assert grid_widths(p) == (3, 19)  # of 5 kv tiles and 25 query tiles
+  lay = Layout("BTNH")
+  step = jax.jit(lambda q, k, v, a, c: flex_tpu_call.step_forward(p, lay, q, k, v, None, a, c))
+  out, lse, _ = step(q, k, v, q0, k0)
+  grads = jax.jit(lambda q, k, v, a, c, o, l, d: flex_tpu_call.step_backward(
+      p, lay, q, k, v, m, a, c, o, l, d))(q, k, v, q0, k0, out, lse, d_out)
+  t, s = q0 + np.arange(T_)[:, None], k0 + np.arange(S_)[None, :]
+  allowed = ((s <= t) & (s >= t - 150))[None, None]
+  want, dq, dk, dv = reference_mods_vjp(q, k, v, d_out, allowed=allowed)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(lse, _lse(q, k, allowed), atol=2e-5, rtol=1e-5)
+  for g, w in zip(grads[:3], (dq, dk, dv)):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)

@@ -73,3 +73,37 @@ def test_forward_dq_dkdv_under_the_tpu_interpreter(skip):
   for g, w in zip(grads[:3], (dq, dk, dv)):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
   assert np.isfinite(np.asarray(grads[3])).all()  # the slopes' (dq kernel): no NaN read
+
+
+@pytest.mark.thorough  # about a minute on a quiet 2-core host
+def test_window_grid_over_only_the_nonempty_tiles_under_the_tpu_interpreter():
+  """The compacted grids (each row's non-empty kv tiles, each column's non-empty query
+  tiles, grouped heads: steps r = g Wq + w of dk/dv) under the TPU interpreter: no race,
+  no read of unwritten memory, no out-of-bounds block, values and gradients against
+  float64."""
+  from jattn._src.kernels.tile_classes import grid_widths
+  from jattn._src.masks.structural import MaskSpec
+  T_ = S_ = 264
+  r = np.random.default_rng(1)
+  q, d_out = (jnp.asarray(r.standard_normal((B, T_, N, H)), jnp.float32) for _ in "qo")
+  k, v = (jnp.asarray(r.standard_normal((B, S_, K, H)), jnp.float32) for _ in "kv")
+  lay = Layout("BTNH")
+
+  def loss(q, k, v):
+    m = Modifiers(structure=MaskSpec(is_causal=True, local_window=(8, 0)), scale=1 / np.sqrt(H))
+    with pallas_interpret(tpu=_params()):
+      p = flex_tpu.plan(B=B, T=T_, S=S_, N=N, K=K, H=H, D=H, dtype=q.dtype, modifiers=m,
+                        block_q=8, block_kv=128, interpret=True)
+      assert not isinstance(p, str) and p.skip, p
+      assert grid_widths(p) == (2, 17)  # of 3 kv tiles and 33 query tiles
+      out = flex_tpu_call.run(p, q, k, v, m, lay)[0]
+    return jnp.sum(out * d_out), out
+
+  (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  assert not _races_found()
+  t, s = np.arange(T_)[:, None], np.arange(S_)[None, :]
+  want_out, dq, dk, dv = reference_mods_vjp(q, k, v, d_out,
+                                            allowed=((s <= t) & (s >= t - 8))[None, None])
+  np.testing.assert_allclose(out, want_out, atol=2e-5, rtol=1e-4)
+  for g, w in zip(grads, (dq, dk, dv)):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)

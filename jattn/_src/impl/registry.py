@@ -168,9 +168,14 @@ def preference(call, platform: str) -> tuple[str, ...]:
   # cannot tell a Hopper target from an Ampere one.
   kernels = {"tpu": ("splash", "flex_tpu"),
              "cuda": ("cudnn", "flex_gpu", "flex_mgpu", "pallas")}.get(platform, ())
-  if platform == "tpu" and _documents(call):
+  if platform == "tpu" and (_documents(call) or _window(call)):
     kernels = ("flex_tpu", "splash")  # see why_first
   return kernels + generic
+
+
+def _window(call) -> bool:
+  """The call has a local_window_size (flex_tpu runs only each row's tiles in the window)."""
+  return call.structure.local_window is not None
 
 
 def _documents(call) -> bool:
@@ -187,4 +192,10 @@ def why_first(call, platform: str, name: str) -> str | None:
             "estimated from the TPU compiler's schedule at 0.16x to 0.44x of splash's time "
             "(v5e, v6e; 16 documents, T = 4k and 16k; benchmarks/tpu_schedule.py), not "
             "measured on a TPU")
+  if platform == "tpu" and name == "flex_tpu" and _window(call):
+    return ("flex_tpu before splash for a local_window_size: its grid runs only each row's "
+            "tiles in the window and a window's partial tile tests one bound; estimated from "
+            "the TPU compiler's schedule at 0.97x to 1.04x of splash's time, forward and "
+            "forward + backward (v5e, v6e; causal, a 1024-token window, T = 4k and 16k; "
+            "benchmarks/tpu_schedule.py), not measured on a TPU")
   return None

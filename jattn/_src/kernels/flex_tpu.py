@@ -6,10 +6,10 @@ reason in words for what the kernel cannot take. `flex_tpu_call.run(plan, ...)` 
 contract of `blockwise_attention`: -> (out, None, lse float32 [B, N, T], max logits
 float32 [B, N, T] or None).
 
-Grid (B, N, T / block_q, S / block_kv), the last axis sequential: each program
-holds one query tile [block_q, H] of head n and streams the key/value tiles of
-kv head n // G (the index map reads the shared kv head: K and V are never
-repeated per group). Online softmax in float32 in VMEM scratch (running max m
+Grid (B, N, T / block_q, W), the last axis sequential: each program holds one
+query tile [block_q, H] of head n and streams the non-empty key/value tiles of its
+row (W: the most a row has, S / block_kv without skipping), of kv head n // G
+(the index map reads the shared kv head: K and V are never repeated per group). Online softmax in float32 in VMEM scratch (running max m
 and sum l lane-replicated [block_q, 128], accumulator [block_q, D]); the last
 kv step writes out and lse = m + log l (and m itself, the row's largest visible
 logit, when the plan asks for max logits). T and S are padded to the tiles, and
@@ -37,6 +37,7 @@ from jattn._src import compat
 from jattn._src.masks.modifiers import Modifiers
 from jattn._src.kernels import kernel_plan
 from jattn._src.kernels.kernel_plan import round_up
+from jattn._src.kernels.tile_classes import grid_widths
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this wide
@@ -123,12 +124,16 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
             "multiple of 8 and block_kv of 128")
   window = None if st.local_window is None else tuple(int(w) for w in st.local_window)
   skip = bool(skip) and (has_mask or bool(st.is_causal) or window is not None)
-  if skip:  # three int32 tables [B|1, N|1, nq, nk] in SMEM: without room, no skipping
-    entries = 3 * (B if facts.mask_uses_b else 1) * (N if facts.mask_uses_n else 1) * (
-        round_up(T, block_q) // block_q) * (round_up(S, block_kv) // block_kv)
-    skip = entries <= _MAX_TABLE_ENTRIES
-  return Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
-              window, has_mask, facts.has_score,
-              (TPU_INTERPRETER.get() or True) if interpret else False, score_reads, skip,
-              facts.mask_rows, score_tables, bool(offsets), facts.table_reads,
-              max_logits=bool(return_max_logits))
+  p = Plan(B, T, S, N, K, H, D, block_q, block_kv, float(m.scale), bool(st.is_causal),
+           window, has_mask, facts.has_score,
+           (TPU_INTERPRETER.get() or True) if interpret else False, score_reads, skip,
+           facts.mask_rows, score_tables, bool(offsets), facts.table_reads,
+           max_logits=bool(return_max_logits))
+  if skip:  # int32 tables [B|1, N|1, nq, W] and [.., nk, Wq], two each, in SMEM: without
+    # room, no skipping
+    W, Wq = grid_widths(p)
+    entries = 2 * (B if facts.mask_uses_b else 1) * (N if facts.mask_uses_n else 1) * (
+        p.T_padded // block_q * W + p.S_padded // block_kv * Wq)
+    if entries > _MAX_TABLE_ENTRIES:
+      p = dataclasses.replace(p, skip=False)
+  return p

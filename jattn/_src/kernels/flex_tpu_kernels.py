@@ -20,7 +20,7 @@ from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import table_grads, tile_mods
 from jattn._src.kernels.flex_tpu import LANES
-from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
+from jattn._src.kernels.tile_classes import band_keep, both, grid_widths, tile_classes
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL
 
@@ -141,16 +141,17 @@ def _row_arrays(p: Plan, mask_consts, origin):
 
 def _row_specs(p: Plan, row_arrays, q_tile, kv_tile):
   """BlockSpecs of the row arrays (then the tables): every row X at once, the tile of
-  the grid step; q_tile(*grid indices) / kv_tile(*grid indices) -> the tile index."""
+  the grid step; q_tile(*grid indices, *scalar prefetch refs) / kv_tile(...) -> the tile
+  index."""
 
   specs = []
   for (ci, letter), x in zip(p.mask_rows, row_arrays):
     if letter == "t":
       specs.append(pl.BlockSpec((x.shape[0], p.block_q, _LANES),
-                                lambda *g, f=q_tile: (0, f(*g[:4]), 0)))
+                                lambda *g, f=q_tile: (0, f(*g), 0)))
     else:
       specs.append(pl.BlockSpec((x.shape[0], 8, p.block_kv),
-                                lambda *g, f=kv_tile: (0, 0, f(*g[:4]))))
+                                lambda *g, f=kv_tile: (0, 0, f(*g))))
   return specs + _table_specs(p, row_arrays[len(p.mask_rows):])
 
 
@@ -240,7 +241,7 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
         d_score = lambda ds: vjp(ds)[0]
     else:
       s = score(s)[0]
-  keep = tile_keep(p, t_loc, s_loc, t_pos, s_pos, full)
+  keep = band_keep(p, i, j, origin, full)
   if tm.mask_jaxpr is not None and not full:
     mm = tile_mods.evaluate(tm.mask_jaxpr, tm.mask_meta, _reader(mask_refs, tm.mask_meta),
                             [b, n, t_pos, s_pos], tile, positions={2: "t", 3: "s"},
@@ -276,64 +277,95 @@ _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 
 @dataclasses.dataclass(frozen=True)
 class _Tables:
-  """Static shape of the block tables in SMEM: classes over [Bc, Nc, nq, nk], Bc in
-  (1, B), Nc in (1, N) (1 where the mask does not depend on b or n)."""
+  """Static shape of the block tables in SMEM, over [Bc, Nc, ...], Bc in (1, B), Nc in
+  (1, N) (1 where the mask does not depend on b or n): per query tile its row's
+  non-empty kv tiles, compacted to the first W of [nq, W] (`kv_list`, `kv_cls`), and per
+  kv tile its column's non-empty query tiles, the first Wq of [nk, Wq] (`q_list`,
+  `q_cls`)."""
 
   Bc: int
   Nc: int
   nq: int
   nk: int
+  W: int
+  Wq: int
 
-  def at(self, b, n, i, j):
-    """Flat index of (b, n, i, j) in classes and kv_fetch ([Bc, Nc, nq, nk])."""
+  def at(self, b, n, i, w):
+    """Flat index of (b, n, i, w) in kv_list and kv_cls ([Bc, Nc, nq, W])."""
     b = b if self.Bc > 1 else 0
     n = n if self.Nc > 1 else 0
-    return ((b * self.Nc + n) * self.nq + i) * self.nk + j
+    return ((b * self.Nc + n) * self.nq + i) * self.W + w
 
-  def at_t(self, b, n, i, j):
-    """Flat index of (b, n, i, j) in q_fetch ([Bc, Nc, nk, nq])."""
+  def at_t(self, b, n, j, w):
+    """Flat index of (b, n, j, w) in q_list and q_cls ([Bc, Nc, nk, Wq])."""
     b = b if self.Bc > 1 else 0
     n = n if self.Nc > 1 else 0
-    return ((b * self.Nc + n) * self.nk + j) * self.nq + i
+    return ((b * self.Nc + n) * self.nk + j) * self.Wq + w
 
 
 def _block_tables(p: Plan, mods, origin=(0, 0)):
-  """-> (`_Tables`, [classes, kv_fetch, q_fetch] flat int32 for SMEM), or (None, []).
+  """-> (`_Tables`, [kv_list, kv_cls, q_list, q_cls] flat int32 for SMEM), or (None, []).
 
   The classes are those of the tiles at global positions from `origin` (the first
-  query's and key's, (0, 0) or traced).
-  classes: EMPTY / PARTIAL / FULL per tile. kv_fetch[b, n, i, j]: the kv tile the
-  index map fetches at step j: j itself unless EMPTY, else the last non-empty one
-  before it (or the row's first non-empty one), so that Pallas, which copies only
-  when the block index changes, issues no DMA for an EMPTY tile. q_fetch: the same
-  along the query tiles, for the dk/dv kernel.
+  query's and key's, (0, 0) or traced). The grids run over the lists, not over every
+  tile: kv_list[b, n, i, w] is the w-th non-empty kv tile of query tile i's row and
+  kv_cls its class (PARTIAL or FULL); past the row's count the class is EMPTY (the step
+  does nothing) and the tile the last non-empty one, so that Pallas, which copies only
+  when the block index changes, fetches nothing. q_list, q_cls: the same per kv tile
+  along the query tiles, for the dk/dv kernel. The widths W, Wq are static
+  (`grid_widths`: causal and the window bound them).
   """
   if not p.skip:
     return None, []
   classes = tile_classes(p, mods, origin)
   Bc, Nc, nq, nk = classes.shape
-  tables = _Tables(Bc, Nc, nq, nk)
-  kv_fetch = _fetch(classes != EMPTY, axis=3)
-  q_fetch = _fetch(jnp.swapaxes(classes, 2, 3) != EMPTY, axis=3)
-  return tables, [classes.reshape(-1), kv_fetch.reshape(-1), q_fetch.reshape(-1)]
+  W, Wq = grid_widths(p)
+  tables = _Tables(Bc, Nc, nq, nk, W, Wq)
+  kv_list, kv_cls = _compact(classes, W)
+  q_list, q_cls = _compact(jnp.swapaxes(classes, 2, 3), Wq)
+  return tables, [x.reshape(-1) for x in (kv_list, kv_cls, q_list, q_cls)]
 
 
-def _fetch(nonempty, axis: int):
-  """int32: along `axis`, each position's own index where nonempty, else the last
-  nonempty one before it, else the first nonempty one (0 if none)."""
-  index = jax.lax.broadcasted_iota(jnp.int32, nonempty.shape, axis)
-  last = jax.lax.cummax(jnp.where(nonempty, index, -1), axis=axis)
-  first = jnp.argmax(nonempty, axis=axis, keepdims=True).astype(jnp.int32)
-  return jnp.where(last >= 0, last, first)
+def _compact(classes, width: int):
+  """classes int32 [..., m] -> (the indices of the non-empty entries along the last
+  axis, in order, then the last of them repeated (0 if none), [..., width]; their
+  classes, EMPTY past the count). width: at least the most non-empty entries of a row."""
+  m = classes.shape[-1]
+  index = jax.lax.broadcasted_iota(jnp.int32, classes.shape, classes.ndim - 1)
+  nonempty = classes != EMPTY
+  order = jnp.argsort(jnp.where(nonempty, index, m + index), axis=-1)[..., :width]
+  order = order.astype(jnp.int32)
+  count = jnp.sum(nonempty, axis=-1, keepdims=True, dtype=jnp.int32)
+  w = jax.lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
+  last = jnp.take_along_axis(order, jnp.clip(count - 1, 0, width - 1), axis=-1)
+  listed = w < count
+  tiles = jnp.where(listed, order, jnp.where(count > 0, last, 0))
+  return tiles, jnp.where(listed, jnp.take_along_axis(classes, order, axis=-1), EMPTY)
 
 
-def _gated(tables, table_refs, b, n, i, j, step):
-  """step(full) on this tile: skipped if EMPTY, step(True) if FULL, step(False) if PARTIAL;
-  without tables, step(False) always."""
+def _kv_step(tables, table_refs, b, n, i, w):
+  """(the kv tile j of grid step w of query tile i's row, its class; None without
+  tables: every tile runs, PARTIAL)."""
   if tables is None:
+    return w, None
+  at = tables.at(b, n, i, w)
+  return table_refs[0][at], table_refs[1][at]
+
+
+def _q_step(tables, table_refs, b, n, j, w):
+  """(the query tile i of step w of kv tile j's column, its class), as `_kv_step`."""
+  if tables is None:
+    return w, None
+  at = tables.at_t(b, n, j, w)
+  return table_refs[2][at], table_refs[3][at]
+
+
+def _gated(cls, step):
+  """step(full) on this tile: skipped if EMPTY, step(True) if FULL, step(False) if PARTIAL;
+  without tables (cls None), step(False) always."""
+  if cls is None:
     step(False)
     return
-  cls = table_refs[0][tables.at(b, n, i, j)]
   pl.when(cls == FULL)(lambda: step(True))
   pl.when(cls == PARTIAL)(lambda: step(False))
 
@@ -359,12 +391,12 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None,
   G = p.N // p.K
   bq, bk = p.block_q, p.block_kv
   Tp, Sp = p.T_padded, p.S_padded
-  kv = _kv_index(tables, G)
+  kv, kv_tile = _kv_index(tables, G)
   in_specs = [
       pl.BlockSpec((None, None, bq, p.H), lambda b, n, i, j, *_: (b, n, i, 0)),
       pl.BlockSpec((None, None, bk, p.H), kv),
       pl.BlockSpec((None, None, bk, p.D), kv),
-  ] + _row_specs(p, row_arrays, lambda b, n, i, j: i, lambda b, n, i, j: j)
+  ] + _row_specs(p, row_arrays, lambda b, n, i, j, *_: i, kv_tile)
   rows = pl.BlockSpec((None, None, bq, _LANES), lambda b, n, i, j, *_: (b, n, i, 0))
   row_stats = 2 if p.max_logits else 1  # lse, and the running max m when asked
   out_specs = [pl.BlockSpec((None, None, bq, p.D), lambda b, n, i, j, *_: (b, n, i, 0)),
@@ -374,7 +406,7 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None,
                         exact_pv=accumulator_out and bool(p.score_reads or p.score_tables)),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(table_arrays) + len(smem) + len(scalars),
-          grid=(p.B, p.N, Tp // bq, Sp // bk),
+          grid=(p.B, p.N, Tp // bq, Sp // bk if tables is None else tables.W),
           in_specs=in_specs, out_specs=out_specs,
           scratch_shapes=[pltpu.VMEM((bq, _LANES), jnp.float32),
                           pltpu.VMEM((bq, _LANES), jnp.float32),
@@ -392,11 +424,12 @@ def forward(plan_: Plan, layout: Layout, query, key, value, mods, offsets=None,
 
 
 def _kv_index(tables, G):
-  """The k/v index map: kv head n // G, kv tile j (or, EMPTY, the one already fetched)."""
-  if tables is None:
-    return lambda b, n, i, j, *_: (b, jax.lax.div(n, G), j, 0)
-  return lambda b, n, i, j, cls, kv_fetch, *_: (
-      b, jax.lax.div(n, G), kv_fetch[tables.at(b, n, i, j)], 0)
+  """(the k/v index map: kv head n // G, the kv tile of grid step w (past the row's
+  non-empty tiles, the last one, already fetched); the kv tile alone)."""
+  def kv_tile(b, n, i, w, *refs):
+    return _kv_step(tables, refs, b, n, i, w)[0]
+  return (lambda b, n, i, w, *refs: (b, jax.lax.div(n, G), kv_tile(b, n, i, w, *refs), 0),
+          kv_tile)
 
 
 def _origin(p: Plan, offsets):
@@ -412,7 +445,7 @@ def _origin(p: Plan, offsets):
 
 def _split_refs(refs, tables, tm, p: Plan):
   """-> (block table refs, mods' SMEM refs, origin (int32 scalars or (0, 0)), the rest)."""
-  nt = 0 if tables is None else 3
+  nt = 0 if tables is None else 4
   start = nt + tm.count
   if not p.offsets:
     return refs[:nt], refs[nt:start], (0, 0), refs[start:]
@@ -430,19 +463,20 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables, exact_pv: bool = Fals
   o_ref, lse_ref = rest[3 + nr:5 + nr]
   max_ref = rest[5 + nr] if p.max_logits else None
   m_sc, l_sc, acc_sc = rest[5 + nr + (max_ref is not None):]
-  b, n, i, j = (pl.program_id(a) for a in range(4))
+  b, n, i, w = (pl.program_id(a) for a in range(4))
+  j, cls = _kv_step(tables, table_refs, b, n, i, w)
 
-  @pl.when(j == 0)
+  @pl.when(w == 0)
   def _init():
     m_sc[...] = jnp.full(m_sc.shape, LARGE_NEGATIVE, jnp.float32)
     l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-  _gated(tables, table_refs, b, n, i, j, lambda full: _forward_step(
+  _gated(cls, lambda full: _forward_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full, row_refs,
       origin, exact_pv))
 
-  @pl.when(j == pl.num_programs(3) - 1)
+  @pl.when(w == pl.num_programs(3) - 1)
   def _finish():
     l, m = l_sc[...], m_sc[...]
     seen = l > 0.0
@@ -484,9 +518,10 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   """Gradients into query, key, value (their layouts and dtypes) from the final out and
   lse [B, N, T] (sinks included): the weights are recomputed tile by tile.
 
-  Two kernels: dq on the grid (B, N, T / bq, S / bk), keys sequential; dk and dv on
-  (B, K, S / bk, G T / bq), the G query heads of kv head k and their query tiles
-  sequential, so that dk and dv are summed over the group in VMEM, never by atomics.
+  Two kernels: dq on the grid (B, N, T / bq, W), the row's non-empty kv tiles
+  sequential; dk and dv on (B, K, S / bk, G Wq), the G query heads of kv head k and
+  their column's non-empty query tiles sequential, so that dk and dv are summed over the
+  group in VMEM, never by atomics (W, Wq: `_block_tables`; without skipping, every tile).
   offsets: as `forward` (a ring step's range: out, lse and d_out are then the final
   ones, and the gradients this range's share).
   """
@@ -507,15 +542,16 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   bq, bk = p.block_q, p.block_kv
   Tp, Sp = p.T_padded, p.S_padded
   nq, nk = Tp // bq, Sp // bk
+  W, Wq = (nk, nq) if tables is None else (tables.W, tables.Wq)  # the grids' inner widths
   row = lambda b, n, i, j, *_: (b, n, i, 0)
-  kv = _kv_index(tables, G)
+  kv, kv_tile = _kv_index(tables, G)
   dq_out_specs = [pl.BlockSpec((None, None, bq, p.H), row)]
   dq_out_shape = [jax.ShapeDtypeStruct((p.B, p.N, Tp, p.H), jnp.float32)]
   if p.score_reads:  # per program (b, n, i, j): an [8, 128] tile of read gradients, indices
     tile8 = pl.BlockSpec((None, None, None, 8, _LANES), lambda b, n, i, j, *_: (b, n, i, j, 0))
     dq_out_specs += [tile8, tile8]
-    dq_out_shape += [jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.float32),
-                     jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * nk, _LANES), jnp.int32)]
+    dq_out_shape += [jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * W, _LANES), jnp.float32),
+                     jax.ShapeDtypeStruct((p.B, p.N, nq, 8 * W, _LANES), jnp.int32)]
   TR = len(p.table_reads)
   if TR:  # per program (b, n, i), over its kv tiles: an [8, bk] gradient row per table
     # read (entry w along the lanes), and an [8, 128] tile of the table rows they read
@@ -528,14 +564,14 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
       functools.partial(_dq_kernel, p=p, tm=tm, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(table_arrays) + len(smem) + len(scalars),
-          grid=(p.B, p.N, nq, nk),
+          grid=(p.B, p.N, nq, W),
           in_specs=[pl.BlockSpec((None, None, bq, p.H), row),
                     pl.BlockSpec((None, None, bk, p.H), kv),
                     pl.BlockSpec((None, None, bk, p.D), kv),
                     pl.BlockSpec((None, None, bq, p.D), row),
                     pl.BlockSpec((None, None, bq, _LANES), row),
                     pl.BlockSpec((None, None, bq, _LANES), row)]
-          + _row_specs(p, row_arrays, lambda b, n, i, j: i, lambda b, n, i, j: j),
+          + _row_specs(p, row_arrays, lambda b, n, i, j, *_: i, kv_tile),
           out_specs=dq_out_specs,
           scratch_shapes=[pltpu.VMEM((bq, p.H), jnp.float32)]),
       out_shape=dq_out_shape,
@@ -544,27 +580,25 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
       name="jattn_flex_tpu_dq",
   )(*table_arrays, *smem, *scalars, q, k, v, do, lse_l, delta_l, *row_arrays)
 
-  # grid (b, kv head c, kv tile j, r = g nq + i): query head n = c G + g, query tile i
-  if tables is None:
-    qrow = lambda b, c, j, r, *_: (b, c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq), 0)
-  else:  # an EMPTY tile re-points to the query tile already fetched
-    def qrow(b, c, j, r, cls, kv_fetch, q_fetch, *_):
-      n, i = c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq)
-      return (b, n, q_fetch[tables.at_t(b, n, i, j)], 0)
+  # grid (b, kv head c, kv tile j, r = g Wq + w): query head n = c G + g, query tile i
+  # the w-th non-empty one of kv tile j's column (past them, the last: already fetched)
+  def q_tile(b, c, j, r, *refs):
+    n = c * G + jax.lax.div(r, Wq)
+    return _q_step(tables, refs, b, n, j, jax.lax.rem(r, Wq))[0]
+  qrow = lambda b, c, j, r, *refs: (b, c * G + jax.lax.div(r, Wq), q_tile(b, c, j, r, *refs), 0)
   kvrow = lambda b, c, j, r, *_: (b, c, j, 0)
   dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, p=p, tm=tm, nq=nq, G=G, tables=tables),
+      functools.partial(_dkv_kernel, p=p, tm=tm, Wq=Wq, G=G, tables=tables),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=len(table_arrays) + len(smem) + len(scalars),
-          grid=(p.B, p.K, nk, G * nq),
+          grid=(p.B, p.K, nk, G * Wq),
           in_specs=[pl.BlockSpec((None, None, bq, p.H), qrow),
                     pl.BlockSpec((None, None, bk, p.H), kvrow),
                     pl.BlockSpec((None, None, bk, p.D), kvrow),
                     pl.BlockSpec((None, None, bq, p.D), qrow),
                     pl.BlockSpec((None, None, bq, _LANES), qrow),
                     pl.BlockSpec((None, None, bq, _LANES), qrow)]
-          + _row_specs(p, row_arrays, lambda b, c, j, r: jax.lax.rem(r, nq),
-                       lambda b, c, j, r: j),
+          + _row_specs(p, row_arrays, q_tile, lambda b, c, j, r, *_: j),
           out_specs=[pl.BlockSpec((None, None, bk, p.H), kvrow),
                      pl.BlockSpec((None, None, bk, p.D), kvrow)],
           scratch_shapes=[pltpu.VMEM((bk, p.H), jnp.float32),
@@ -579,12 +613,13 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   dk = jnp.einsum(f"BKSH->{lay.key}", dk[:, :, :p.S])
   dv = jnp.einsum(f"BKSD->{lay.value}", dv[:, :, :p.S])
   grads = tuple(without_batch(x, layout) for x in (dq, dk, dv))
-  return grads + (_consts_grads(p, tm, read_parts, nq, nk),)
+  return grads + (_consts_grads(p, tm, read_parts, nq, W),)
 
 
 def _consts_grads(p: Plan, tm: _TileMods, read_parts, nq: int, nk: int) -> tuple:
   """float32 gradient of each float array score_mod captured (None for the others),
-  from the dq kernel's per-program read gradients and table rows: summed by XLA in a
+  from the dq kernel's per-program read gradients and table rows (nk: the dq grid's
+  inner width, a row's kv steps): summed by XLA in a
   fixed order (a one-hot contraction, no scatter, no atomics), so the same bits every run."""
   grads = [None] * len(tm.score_meta)
   if p.table_reads:
@@ -644,9 +679,10 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
   dr_ref, fr_ref = (rest.pop(0), rest.pop(0)) if reads else (None, None)
   # gradient rows of the table reads [8 TR, bk], the table rows they read [8, 128]
   dt_ref, tr_ref = (rest.pop(0), rest.pop(0)) if p.table_reads else (None, None)
-  b, n, i, j = (pl.program_id(a) for a in range(4))
+  b, n, i, w = (pl.program_id(a) for a in range(4))
+  j, cls = _kv_step(tables, table_refs, b, n, i, w)
 
-  @pl.when(j == 0)
+  @pl.when(w == 0)
   def _init():
     dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
     if dt_ref is not None:  # summed over j; no tile read: row -1
@@ -656,11 +692,11 @@ def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):
   if reads:  # an EMPTY tile reads nothing: gradient 0 at index -1
     dr_ref[...] = jnp.zeros(dr_ref.shape, jnp.float32)
     fr_ref[...] = jnp.full(fr_ref.shape, -1, jnp.int32)
-  _gated(tables, table_refs, b, n, i, j, lambda full: _dq_step(
+  _gated(cls, lambda full: _dq_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_sc,
       dr_ref, fr_ref, full, row_refs, origin, dt_ref, tr_ref))
 
-  @pl.when(j == pl.num_programs(3) - 1)
+  @pl.when(w == pl.num_programs(3) - 1)
   def _finish():
     dq_ref[...] = dq_sc[...]
 
@@ -694,21 +730,22 @@ def _dq_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref,
   dq_sc[...] += _mxu(ds.astype(k.dtype), k, ((1,), (0,)))
 
 
-def _dkv_kernel(*refs, p: Plan, tm: _TileMods, nq: int, G: int, tables):
+def _dkv_kernel(*refs, p: Plan, tm: _TileMods, Wq: int, G: int, tables):
   table_refs, smem_refs, origin, rest = _split_refs(refs, tables, tm, p)
   nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = rest[:6]
   row_refs = rest[6:6 + nr]
   dk_ref, dv_ref, dk_sc, dv_sc = rest[6 + nr:]
   b, c, j, r = (pl.program_id(a) for a in range(4))
-  n, i = c * G + jax.lax.div(r, nq), jax.lax.rem(r, nq)
+  n = c * G + jax.lax.div(r, Wq)
+  i, cls = _q_step(tables, table_refs, b, n, j, jax.lax.rem(r, Wq))
 
   @pl.when(r == 0)
   def _init():
     dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
     dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-  _gated(tables, table_refs, b, n, i, j, lambda full: _dkv_step(
+  _gated(cls, lambda full: _dkv_step(
       p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_sc,
       dv_sc, full, row_refs, origin))
 

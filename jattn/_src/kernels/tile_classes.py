@@ -2,12 +2,16 @@
 (EMPTY / PARTIAL / FULL per (query tile, kv tile)) that drive block skipping (closed
 forms for is_causal, windows and the ready-made `jattn.mods` masks, a `block_mask`
 made with the same tiles, else mask_mod evaluated block by block (`classify`), ANDed
-by the least class), and the same masks entry by entry inside one tile (`tile_keep`).
+by the least class), the same masks entry by entry inside one tile (`tile_keep`, and
+`band_keep`: causal and the window as one band of s - t), and the grid's widths when
+it runs only the non-empty tiles (`grid_widths`).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn._src.masks import mods as jattn_mods
 from jattn._src.masks.block_mask import classify
@@ -68,3 +72,78 @@ def tile_keep(p, t_loc, s_loc, t_pos, s_pos, full: bool):
     left, right = p.window
     keep = both(keep, (s_pos >= t_pos - left) & (s_pos <= t_pos + right))
   return keep
+
+
+def band_keep(p, i, j, origin, full: bool):
+  """bool [bq, bk] (or None: nothing masked): `tile_keep` for tile (i, j), causal and the
+  window as one band of offsets lo <= s - t <= hi, compared as a column of query
+  positions [bq, 1] against a row of key positions [1, bk]. Where the band is at least
+  as wide as a tile's offsets (hi - lo >= bq + bk - 2), a tile can cut only one of its
+  bounds: the one it cuts is picked by scalars and tested by one compare
+  (s <= t + hi, or -s <= -t - lo), so a PARTIAL tile of a window costs what a causal one
+  does (benchmarks/tpu_schedule.py). origin: the first query's and key's global
+  positions (int32 scalars under `p.offsets`, else (0, 0))."""
+  bq, bk = p.block_q, p.block_kv
+  keep = None
+  if p.S_padded != p.S:
+    keep = both(keep, jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) < p.S - j * bk)
+  if p.T_padded != p.T:  # padded queries: zero rows, but score_mod may make them large
+    keep = both(keep, jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0) < p.T - i * bq)
+  lo, hi = band(p)
+  if full or (lo is None and hi is None):
+    return None if keep is None else jnp.broadcast_to(keep, (bq, bk))
+  t = i * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)  # [bq, 1]
+  s = j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)  # [1, bk]
+  if p.offsets:
+    t, s = t + origin[0], s + origin[1]
+  if lo is not None and hi is not None and hi - lo >= bq + bk - 2:
+    # the tile's least offset s - t: at or past lo, only hi can cut it; else only lo
+    upper = (j * bk - i * bq - (bq - 1)) + (
+        (origin[1] - origin[0]) if p.offsets else 0) >= lo
+    sign = jnp.where(upper, 1, -1).astype(jnp.int32)
+    bound = jnp.where(upper, hi, -lo).astype(jnp.int32)
+    return jnp.broadcast_to(both(keep, sign * s <= sign * t + bound), (bq, bk))
+  if hi is not None:
+    keep = both(keep, s <= t + hi)
+  if lo is not None:
+    keep = both(keep, s >= t + lo)
+  return jnp.broadcast_to(keep, (bq, bk))
+
+
+def band(p):
+  """(lo, hi): the offsets s - t that causal and the window leave visible, lo <= s - t <=
+  hi (None: unbounded on that side)."""
+  lo = hi = None
+  if p.window is not None:
+    lo, hi = -p.window[0], p.window[1]
+  if p.is_causal:
+    hi = 0 if hi is None else min(hi, 0)
+  return lo, hi
+
+
+def grid_widths(p) -> tuple[int, int]:
+  """(kv width, q width), static: the most non-empty kv tiles a query tile's row can
+  have (the forward's and dq's grid runs only those, `flex_tpu_kernels`), and the most
+  non-empty query tiles a kv tile's column can have (dk/dv's). Bounded by causal and
+  the window (mask_mod can only remove tiles); exact from the tile edges, or, under
+  `p.offsets` (positions traced), the most tiles a band of that width can touch."""
+  nq, nk = p.T_padded // p.block_q, p.S_padded // p.block_kv
+  lo, hi = band(p)
+  if lo is None and hi is None:
+    return nk, nq
+  if p.offsets:
+    if lo is None or hi is None:
+      return nk, nq
+    span = hi - lo  # a query tile's keys span bq + span positions; a kv tile's queries bk + span
+    return (min(nk, -(-(p.block_q + span - 1) // p.block_kv) + 1),
+            min(nq, -(-(p.block_kv + span - 1) // p.block_q) + 1))
+  qf = np.arange(nq)[:, None] * p.block_q
+  ql = np.minimum(qf + p.block_q, p.T) - 1
+  kf = np.arange(nk)[None, :] * p.block_kv
+  kl = np.minimum(kf + p.block_kv, p.S) - 1
+  seen = np.ones((nq, nk), bool)  # some (t, s) of the tile has lo <= s - t <= hi
+  if hi is not None:
+    seen &= kf - ql <= hi
+  if lo is not None:
+    seen &= kl - qf >= lo
+  return max(int(seen.sum(1).max()), 1), max(int(seen.sum(0).max()), 1)
