@@ -517,9 +517,11 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   delta = jnp.sum(do.astype(jnp.float32) * o, axis=-1)
   do = _pad_rows(do.astype(query.dtype), p.T_padded)
   rows = lambda x: _pad_rows(jnp.broadcast_to(x[..., None], x.shape + (_LANES,)), p.T_padded)
-  # lse in base 2 as the tiles' logits (`_LOG2E`); LARGE_NEGATIVE kept (times log2 e: -inf)
+  # lse in base 2 as the tiles' logits (`_LOG2E`). A row with no visible key (lse =
+  # LARGE_NEGATIVE) gets -LARGE_NEGATIVE: its masked logits (LARGE_NEGATIVE) then give
+  # exp2 = 0 as every masked logit does, and the tiles need no second select on the weights
   lse2 = lse.astype(jnp.float32)
-  lse2 = jnp.where(lse2 > LARGE_NEGATIVE, lse2 * _LOG2E, LARGE_NEGATIVE)
+  lse2 = jnp.where(lse2 > LARGE_NEGATIVE, lse2 * _LOG2E, -LARGE_NEGATIVE)
   lse_l, delta_l = rows(lse2), rows(delta)  # [B, N, Tp, 128]
   origin, scalars = _origin(p, offsets)
   tm, smem, row_arrays = _tile_mods(mods, p, origin)
@@ -639,12 +641,12 @@ def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grad
   """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32); read_grads: also the
   gradients of the float reads of score_mod's arrays and their flat indices, and those
   of its table reads (tiles) and where they read (`_tile_logits`)."""
-  s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
+  s, _, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
                                   read_grads=read_grads, full=full, row_refs=row_refs,
                                   origin=origin)
-  probs = jnp.exp2(s - _lanes(lse, p.block_kv))  # both in base 2
-  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
-    probs = jnp.where(keep, probs, 0.0)
+  # both in base 2; masked logits are LARGE_NEGATIVE: exp2 gives 0 without a select
+  # (the rows with none visible have lse = -LARGE_NEGATIVE, `backward`)
+  probs = jnp.exp2(s - _lanes(lse, p.block_kv))
   # dP [bq, bk] = dO v^T
   dp = _mxu(do, v, ((1,), (1,)))
   ds = probs * (dp - _lanes(delta, p.block_kv))
