@@ -212,12 +212,13 @@ _COMPILE_VERSION = 1  # bump when what compile_case compiles or parses changes
 
 
 def _fingerprint(impl, *parts) -> str:
-  """The cache key of a compile: its arguments and the sources of its kernels (splash's
-  jattn path alone for splash, so that a change to flex_tpu keeps splash's compiles)."""
-  src = [ROOT / "jattn/_src/impl/fused.py"]
-  if impl == "flex_tpu":
-    src += [ROOT / f"jattn/_src/kernels/{f}.py" for f in (
-        "flex_tpu_kernels", "flex_tpu", "tile_mods", "tile_classes", "kernel_plan")]
+  """The cache key of a compile: its arguments and the sources of its kernel (flex_tpu's
+  edits leave splash's compiles cached, and the other way round)."""
+  kernels = ROOT / "jattn/_src/kernels"
+  src = ([kernels / f"{f}.py" for f in ("flex_tpu_kernels", "flex_tpu", "tile_mods",
+                                        "tile_classes", "kernel_plan")]
+         if impl == "flex_tpu" else
+         [ROOT / "jattn/_src/impl/fused.py", ROOT / "jattn/_src/impl/splash_mask.py"])
   h = hashlib.sha256(repr((_COMPILE_VERSION, impl) + parts).encode())
   for f in src:
     h.update(f.read_bytes())
@@ -228,7 +229,7 @@ class MissingKernel(RuntimeError):
   """A kernel of the compiled program has no bundles file in the dump."""
 
 
-def _compile_in_child(gen, impl, case, H, K_ratio, cache_dir):
+def _compile_in_child(gen, impl, case, H, K_ratio, cache_dir, D=None, dtype="bfloat16"):
   """compile_case in a fresh process with its own dump directory. In one process libtpu
   sometimes dumps no file for a kernel of a later compile (seen for flex_tpu's forward
   after another case's): a fresh process dumps every kernel it compiles."""
@@ -237,7 +238,7 @@ def _compile_in_child(gen, impl, case, H, K_ratio, cache_dir):
           "from benchmarks import tpu_schedule as t; "
           "print(json.dumps(t._child(*json.loads(sys.argv[2]))))")
   done = subprocess.run([sys.executable, "-c", code, str(ROOT),
-                         json.dumps([gen, impl, case, H, K_ratio, cache_dir])],
+                         json.dumps([gen, impl, case, H, K_ratio, cache_dir, D, dtype])],
                         capture_output=True, text=True, timeout=900,
                         env={k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"})
   if done.returncode:
@@ -245,21 +246,24 @@ def _compile_in_child(gen, impl, case, H, K_ratio, cache_dir):
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _child(gen, impl, case, H, K_ratio, cache_dir):
+def _child(gen, impl, case, H, K_ratio, cache_dir, D=None, dtype="bfloat16"):
   dump = tempfile.mkdtemp(prefix="jattn_tpu_dump_")
   os.environ["LIBTPU_INIT_ARGS"] = (f"--xla_jf_dump_to={dump} --xla_jf_dump_llo_text=true "
                                     "--xla_jf_dump_llo_pass_label_regex=final_bundles")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
-    return compile_case(gen, impl, case, H, K_ratio, dump, cache_dir)
+    return compile_case(gen, impl, case, H, K_ratio, dump, cache_dir, D, dtype)
   finally:
     shutil.rmtree(dump, ignore_errors=True)
 
 
-def compile_case(gen, impl, case, H, K_ratio, dump_dir, cache_dir):
+def compile_case(gen, impl, case, H, K_ratio, dump_dir, cache_dir, D=None, dtype="bfloat16"):
   """{kernel role: the parsed paths} of jax.grad of one call, compiled for `gen`.
-  K_ratio: G = N / K of the compiled call (1: K = N)."""
-  key = _fingerprint(impl, gen, case, H, K_ratio, T_COMPILE, N_COMPILE)
+  K_ratio: G = N / K of the compiled call (1: K = N); D: value's head size (default H);
+  dtype: the inputs' ("bfloat16" or "float32")."""
+  D = H if D is None else D
+  extra = () if (D, dtype) == (H, "bfloat16") else (D, dtype)  # the old keys stay valid
+  key = _fingerprint(impl, gen, case, H, K_ratio, T_COMPILE, N_COMPILE, *extra)
   cached = pathlib.Path(cache_dir) / f"{key}.json"
   if cached.exists():
     return json.loads(cached.read_text())
@@ -272,8 +276,9 @@ def compile_case(gen, impl, case, H, K_ratio, dump_dir, cache_dir):
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   N, T = N_COMPILE, T_COMPILE
   K = N // K_ratio
-  q = jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16, sharding=sharding)
-  kv = jax.ShapeDtypeStruct((1, T, K, H), jnp.bfloat16, sharding=sharding)
+  q = jax.ShapeDtypeStruct((1, T, N, H), jnp.dtype(dtype), sharding=sharding)
+  k = jax.ShapeDtypeStruct((1, T, K, H), jnp.dtype(dtype), sharding=sharding)
+  v = jax.ShapeDtypeStruct((1, T, K, D), jnp.dtype(dtype), sharding=sharding)
   kwargs = call_kwargs(case, T, N)
 
   def loss(q, k, v):
@@ -283,7 +288,7 @@ def compile_case(gen, impl, case, H, K_ratio, dump_dir, cache_dir):
   for f in pathlib.Path(dump_dir).iterdir():
     f.unlink()
   t0 = time.time()
-  jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
       lowering_platforms=("tpu",)).compile()
   seconds = time.time() - t0
   got = {"compile_s": round(seconds, 1)}
@@ -406,11 +411,11 @@ def tile_mxu(gen, role, bq, bk, H, D):
       gen, bk, bq, H)
 
 
-def estimate(gen, impl, role, p, counts, H, D, T, N, K):
+def estimate(gen, impl, role, p, counts, H, D, T, N, K, itemsize=2):
   """Estimated seconds of one kernel for the call: sum over its steps of max(bundles /
-  clock, bytes / bandwidth), and the parts of that sum."""
+  clock, bytes / bandwidth), and the parts of that sum. itemsize: the inputs' bytes."""
   clk, bw = clock_hz(gen), GENERATIONS[gen]["hbm_bytes_s"]
-  bf, f32, lanes = 2, 4, 128
+  bf, f32, lanes = itemsize, 4, 128
   if impl == "flex_tpu":
     bq, bk = counts["block_q"], counts["block_kv"]
     run = counts["full"] + counts["partial"]
@@ -449,12 +454,14 @@ def estimate(gen, impl, role, p, counts, H, D, T, N, K):
 # ---------------------------------------------------------------- the run
 
 
-def configs(smoke: bool, gens):
-  """(gen, H, T, K) of the estimate; the compiles are keyed by (gen, H, G)."""
+def configs(smoke: bool, gens, heads=("128", "256"), dtypes=("bfloat16",)):
+  """(gen, H, D, dtype, T, K) of the estimate; the compiles are keyed by (gen, H, D, dtype,
+  G). heads: "H" (D = H) or "HxD" (value's head size D, e.g. "192x128", MLA-style)."""
   if smoke:
-    return [("v5e", 128, 4096, 16)]
-  return [(g, H, T, K) for g in gens for H in (128, 256) for T in (4096, 16384)
-          for K in (16, 4)]
+    return [("v5e", 128, 128, "bfloat16", 4096, 16)]
+  hd = [tuple(int(x) for x in h.split("x")) * (1 if "x" in h else 2) for h in heads]
+  return [(g, H, D, dt, T, K) for g in gens for H, D in hd for dt in dtypes
+          for T in (4096, 16384) for K in (16, 4)]
 
 
 def main(argv=None):
@@ -463,10 +470,15 @@ def main(argv=None):
   ap.add_argument("--out", default=str(ROOT / "benchmarks/results/tpu_schedule.json"))
   ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "jattn_tpu_schedule"))
   ap.add_argument("--label", default="current")
-  ap.add_argument("--cases", nargs="+", default=None,
-                  help="only these masks (of causal window documents softcap alibi relbias)")
   ap.add_argument("--smoke", action="store_true",
                   help="v5e, H = 128, causal only (flex_tpu and splash): the compile tier's check")
+  ap.add_argument("--heads", nargs="+", default=["128", "256"],
+                  help='head sizes: "H" (D = H) or "HxD", e.g. 192x128 (MLA-style)')
+  ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="bfloat16, float32")
+  ap.add_argument("--cases", nargs="+", default=None,
+                  help=f"flex_tpu's cases (default all: {' '.join(FLEX_CASES)}); splash runs "
+                  "those of them it has")
+  ap.add_argument("--impls", nargs="+", default=["flex_tpu", "splash"])
   ap.add_argument("--tables", action="store_true",
                   help="print the JSON's run --label as markdown tables, compile nothing")
   args = ap.parse_args(argv)
@@ -490,42 +502,47 @@ def main(argv=None):
   rows, compiled = [], {}
   t_start = time.time()
   try:
-    for gen, H, T, K in configs(args.smoke, args.gens):
+    for gen, H, D, dt, T, K in configs(args.smoke, args.gens, args.heads, args.dtypes):
       G = N // K
       for impl, cases in (("flex_tpu", flex_cases), ("splash", splash_cases)):
+        if impl not in args.impls:
+          continue
         for case in cases:
           # compile G > 1 for causal only: the kernels differ from G = 1 by index maps
           g_compile = G if case == "causal" else 1
-          ck = (gen, impl, case, H, g_compile)
+          ck = (gen, impl, case, H, g_compile, D, dt)
           if ck not in compiled:
             try:
               try:
-                compiled[ck] = compile_case(gen, impl, case, H, g_compile, dump, args.cache)
+                compiled[ck] = compile_case(gen, impl, case, H, g_compile, dump, args.cache,
+                                            D, dt)
               except MissingKernel:  # libtpu dumped no file for a kernel it had compiled
-                compiled[ck] = _compile_in_child(gen, impl, case, H, g_compile, args.cache)
+                compiled[ck] = _compile_in_child(gen, impl, case, H, g_compile, args.cache,
+                                                 D, dt)
             except Exception as e:  # noqa: BLE001 - a refusal is a result: recorded, shown
               compiled[ck] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             print(f"compiled {ck}: {compiled[ck].get('compile_s', compiled[ck].get('error', 'cached'))}",
                   flush=True)
           got = compiled[ck]
           if "error" in got:
-            rows.append(dict(gen=gen, H=H, D=H, T=T, S=T, B=1, N=N, K=K, impl=impl, case=case,
-                             error=got["error"]))
+            rows.append(dict(gen=gen, H=H, D=D, dtype=dt, T=T, S=T, B=1, N=N, K=K, impl=impl,
+                             case=case, error=got["error"]))
             continue
           counts = _counts(impl, case, T, N, K)
-          est = {role: estimate(gen, impl, role, got[role], counts, H, H, T, N, K)
+          est = {role: estimate(gen, impl, role, got[role], counts, H, D, T, N, K,
+                                np.dtype(dt).itemsize)
                  for role in ("fwd", "dq", "dkv")}
           fwd = est["fwd"]["seconds"]
           extra = 0.0
           if impl == "splash" and counts["guard_empty_rows"]:
             extra = fwd  # jattn's splash path runs one more forward for the empty-row guard
           rows.append(dict(
-              gen=gen, H=H, D=H, T=T, S=T, B=1, N=N, K=K, impl=impl, case=case,
+              gen=gen, H=H, D=D, dtype=dt, T=T, S=T, B=1, N=N, K=K, impl=impl, case=case,
               compiled_G=g_compile, counts=counts,
               bundles={r: {k: got[r][k] for k in ("full", "partial", "empty", "init",
                                                    "finish", "loop_overhead", "launch")}
                        for r in ("fwd", "dq", "dkv")},
-              mxu_per_tile={r: tile_mxu(gen, r, counts["block_q"], counts["block_kv"], H, H)
+              mxu_per_tile={r: tile_mxu(gen, r, counts["block_q"], counts["block_kv"], H, D)
                             for r in ("fwd", "dq", "dkv")},
               estimate=est, fwd_s=fwd + extra,
               fwd_bwd_s=fwd + extra + est["dq"]["seconds"] + est["dkv"]["seconds"]))
@@ -558,7 +575,7 @@ def markdown(path, label):
   lines = [f"Run `{label}`: {run['date']}, jax {run['jax']}, libtpu {run['libtpu']}, "
            f"`{run['command']}`.", ""]
   ok = [r for r in run["rows"] if "error" not in r]
-  by = {(r["gen"], r["H"], r["T"], r["K"], r["impl"], r["case"]): r for r in ok}
+  by = {_key(r): r for r in ok}
   lines += ["| gen | H | T | K | mask | flex_tpu fwd ms | splash fwd ms | ratio | "
             "flex_tpu f+b ms | splash f+b ms | ratio |", "|" + " --- |" * 11]
   for (gen, H, T, K, impl, case), r in by.items():
@@ -592,10 +609,20 @@ def markdown(path, label):
         f"{b['dq']['full']} / {b['dq']['partial']} | {m['dq']:.0f} | "
         f"{b['dkv']['full']} / {b['dkv']['partial']} | {m['dkv']:.0f} |")
   bad = [r for r in run["rows"] if "error" in r]
-  for r in {(r["gen"], r["H"], r["impl"], r["case"]): r for r in bad}.values():
-    lines.append(f"\nNot compiled: {r['gen']} H = {r['H']} {r['impl']} {r['case']}: "
+  for r in {(r["gen"], _heads(r), r["impl"], r["case"]): r for r in bad}.values():
+    lines.append(f"\nNot compiled: {r['gen']} H = {_heads(r)} {r['impl']} {r['case']}: "
                  f"{r['error'][:200]}")
   return "\n".join(lines)
+
+
+def _heads(r) -> str:
+  """A row's head sizes and dtype as the tables print them: "128", "192x128", "128 f32"."""
+  h = str(r["H"]) if r.get("D", r["H"]) == r["H"] else f"{r['H']}x{r['D']}"
+  return h + ("" if r.get("dtype", "bfloat16") == "bfloat16" else " f32")
+
+
+def _key(r):
+  return (r["gen"], _heads(r), r["T"], r["K"], r["impl"], r["case"])
 
 
 def _libtpu_version():
@@ -609,8 +636,7 @@ def _libtpu_version():
 def _ratios(rows):
   """flex_tpu / splash on the same mask, and each mod / flex_tpu's plain causal; the FULL
   tile's bundles over its MXU-only cycles."""
-  by = {(r["gen"], r["H"], r["T"], r["K"], r["impl"], r["case"]): r for r in rows
-        if "error" not in r}
+  by = {_key(r): r for r in rows if "error" not in r}
   out = []
   for (gen, H, T, K, impl, case), r in by.items():
     if impl != "flex_tpu":

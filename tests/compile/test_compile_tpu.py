@@ -112,6 +112,24 @@ def test_the_kernels_in_each_dtype_they_take(implementation, dtype):
   assert chosen == implementation, report
 
 
+# issue 43 item 4: Gemma-style H = D = 256 and MLA-style H = 192, D = 128, with the score
+# mods whose tiles flex_tpu evaluates (soft-cap's folded multiplies, ALiBi's split P V),
+# and float32 inputs (the MXU's multi-pass dots); cheap sizes, one generation each
+FLEX_HEADS = [dict(H=256, score_mod="soft_cap", target="v5e"),
+              dict(H=192, D=128, score_mod="alibi", target="v6e"),
+              dict(H=192, D=128, score_mod="soft_cap", target="v5e"),
+              dict(H=128, dtype="float32", score_mod="alibi", target="v6e")]
+
+
+@pytest.mark.parametrize("kw", FLEX_HEADS, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_flex_tpu_long_and_unequal_heads_and_float32(kw):
+  kw = dict(kw)
+  target = kw.pop("target")
+  case = Case(T=512, masks=("causal",), **kw)
+  chosen, report = compile_case(case, "flex_tpu", target)
+  assert chosen == "flex_tpu", report
+
+
 def test_float16_is_refused_by_the_kernels_with_a_reason():
   """float16 is no Mosaic dtype jattn's TPU kernels take: they refuse, None falls back."""
   for implementation in ("splash", "flex_tpu"):

@@ -42,6 +42,7 @@ class Case:
   N: int = 4
   K: int | None = None   # None: N
   H: int = 128
+  D: int | None = None   # value's head size; None: H
   dtype: str = "bfloat16"
   B: int = 1
   masks: tuple[str, ...] = ()
@@ -56,7 +57,8 @@ class Case:
 
   def __str__(self):
     T, S, N, K = self.sizes
-    parts = [f"T{T}", f"S{S}", f"N{N}K{K}", f"H{self.H}", self.dtype, *self.masks,
+    heads = f"H{self.H}" if self.D in (None, self.H) else f"H{self.H}D{self.D}"
+    parts = [f"T{T}", f"S{S}", f"N{N}K{K}", heads, self.dtype, *self.masks,
              *(f"mask_mod={self.mask_mod}",) * bool(self.mask_mod),
              *(f"score_mod={self.score_mod}",) * bool(self.score_mod), *("sinks",) * self.sinks]
     return "-".join(parts)
@@ -68,7 +70,7 @@ def shapes(case: Case) -> dict:
   B, H, dtype = case.B, case.H, jnp.dtype(case.dtype)
   sds = jax.ShapeDtypeStruct
   out = {"q": sds((B, T, N, H), dtype), "k": sds((B, S, K, H), dtype),
-         "v": sds((B, S, K, H), dtype)}
+         "v": sds((B, S, K, H if case.D is None else case.D), dtype)}
   if "lengths" in case.masks:
     out["q_lengths"], out["kv_lengths"] = sds((B,), jnp.int32), sds((B,), jnp.int32)
   if "segments" in case.masks or case.mask_mod in ("document", "and"):

@@ -176,6 +176,42 @@ def test_gradients_match_dense_float64_reference():
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
 
 
+def test_folded_constants_of_a_score_mod_values_and_gradients():
+  """score_mod's multiplies and divides by constants (literals and a traced scalar), its
+  negations and sums are folded with the scale and the softmax's log2(e) into one multiply
+  per term (tile_mods.Linear); the logits run in base 2. out, lse and the gradients into
+  q, k, v and the traced scalar against float64 (jattn's lse carries no gradient)."""
+  q, k, v = _inputs(T=40, S=72)
+
+  def mod(c):
+    return lambda x, b, n, t, s: (20.0 * jnp.tanh(x / 20.0) - (x * 0.5) / -4.0
+                                  + c * (s - t).astype(x.dtype) / 8.0 - (-x) * c)
+
+  def loss(q, k, v, c):
+    out, _, lse = _run(q, k, v, score_mod=mod(c), structure=MaskSpec(is_causal=True),
+                       block_q=16)
+    return jnp.sum(out * jnp.cos(out)), lse
+
+  def dense(q, k, v, c):  # plain float64 jnp, written here
+    t, s = jnp.arange(40)[:, None], jnp.arange(72)[None]
+    x = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, N, 2)) / np.sqrt(H)
+    logits = 20.0 * jnp.tanh(x / 20.0) + x / 8.0 + c * (s - t).astype(x.dtype) / 8.0 + x * c
+    logits = jnp.where(s <= t, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, -1)
+    out = jnp.einsum("bnts,bsnd->btnd", jnp.exp(logits - lse[..., None]), jnp.repeat(v, N, 2))
+    return jnp.sum(out * jnp.cos(out)), lse
+
+  args = (q, k, v, jnp.float32(0.3))
+  (value, lse), got = jax.jit(jax.value_and_grad(loss, argnums=range(4), has_aux=True))(*args)
+  with jax.enable_x64(True):
+    (want_value, want_lse), want = jax.value_and_grad(dense, argnums=range(4), has_aux=True)(
+        *(jnp.asarray(a, jnp.float64) for a in args))
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  np.testing.assert_allclose(lse, want_lse, atol=2e-5)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("mask_mod, score_mod, words", [
     (lambda: (lambda ok: lambda b, n, t, s: ok[(s - t) % 4])(jnp.asarray([1, 0, 1, 1]) > 0),
      None, "through arithmetic"),

@@ -28,6 +28,11 @@ if TYPE_CHECKING:
   from jattn._src.kernels.flex_tpu import Plan
 
 _LANES = LANES
+# The kernels' softmax runs in base 2: a tile's logits are multiplied by log2(e) with the
+# scale (one multiply, folded into it where no score_mod runs), and exp2 takes them
+# without the multiply by log2(e) that exp would lower to; m and lse convert back.
+_LOG2E = float(np.log2(np.e))
+_LN2 = float(np.log(2.0))
 
 
 def _mxu(a, b, contract):
@@ -184,11 +189,11 @@ def _reader(refs, meta):
 
 def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vjp=False,
                  read_grads=False, full=False, row_refs=(), origin=(0, 0)):
-  """One tile's logits after scale, score_mod and every mask.
+  """One tile's logits after scale, score_mod and every mask, in base 2 (times log2 e).
 
-  -> (s float32 [bq, bk] with LARGE_NEGATIVE where masked, keep bool [bq, bk]
-  or None when nothing is masked, d_score). with_vjp: d_score(ds) -> ds through
-  score_mod; read_grads also: -> (that, (d every float read: scalars), (its flat
+  -> (s float32 [bq, bk]: the logits times log2(e), LARGE_NEGATIVE where masked, keep
+  bool [bq, bk] or None when nothing is masked, d_score). d_score(ds) -> d (q k^T) from
+  ds = d (logits): through score_mod (with_vjp) and the scale; read_grads also: -> (that, (d every float read: scalars), (its flat
   index into its array: int32 scalars)), in the order of `Plan.score_reads`, (d every
   float table read: float [bq, bk] tiles), ((its table row: an int32 scalar, its
   indices: int32 [bq, bk]), ...), in the order of `Plan.table_reads`.
@@ -202,12 +207,13 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
   mask_refs, score_refs = smem_refs[:len(tm.mask_meta)], smem_refs[len(tm.mask_meta):]
   # [bq, bk] = q k^T, float32 on the MXU
   s = _mxu(q, k, ((1,), (1,)))
-  s = s * p.scale
   t_loc = i * bq + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
   s_loc = j * bk + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
   t_pos, s_pos = (t_loc, s_loc) if not p.offsets else (t_loc + origin[0], s_loc + origin[1])
-  d_score = lambda ds: ds
-  if tm.score_jaxpr is not None:
+  d_score = lambda ds: ds * p.scale  # d (q k^T) from d (logits)
+  if tm.score_jaxpr is None:
+    s = s * (p.scale * _LOG2E)  # the scale and log2(e): one multiply
+  else:
     R = len(p.score_reads)
 
     def score(x, *eps):
@@ -224,8 +230,12 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
       read_table = _table_reader(p, row_refs[len(p.mask_rows):], tm.score_meta)
       if read_grads:  # a zero tile per table read: d loss / d it = the read's gradient
         read_table = table_grads.perturbed(read_table, tm.score_meta, eps[R:], at)
-      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read, [x, b, n, t_pos, s_pos],
-                             tile, positions={3: "t", 4: "s"}, read_table=read_table)[0]
+      # score_mod sees the logits x p.scale; its result times log2(e): both factors fold
+      # into the multiplies score_mod makes itself (`tile_mods.Linear`)
+      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, read,
+                             [tile_mods.Linear.of(x, p.scale), b, n, t_pos, s_pos], tile,
+                             positions={3: "t", 4: "s"}, read_table=read_table,
+                             out_scale=_LOG2E)[0]
       return jnp.broadcast_to(y, tile).astype(jnp.float32), (tuple(flats), tuple(at))
     if with_vjp:
       eps = ()
@@ -233,12 +243,13 @@ def _tile_logits(p: Plan, tm: _TileMods, smem_refs, b, n, i, j, q, k, *, with_vj
         eps = tuple(jnp.zeros((), jnp.float32) for _ in p.score_reads) + table_grads.zeros(
             tm.score_meta, p.table_reads, tile)
       s, vjp, (flats, at) = jax.vjp(score, s, *eps, has_aux=True)
+      # ds: d (natural logits); score's output is in base 2: ds ln 2 is d (its output)
       if read_grads:
         def d_score(ds):
-          grads = vjp(ds)
+          grads = vjp(ds * _LN2)
           return grads[0], grads[1:1 + R], flats, grads[1 + R:], at
       else:
-        d_score = lambda ds: vjp(ds)[0]
+        d_score = lambda ds: vjp(ds * _LN2)[0]
     else:
       s = score(s)[0]
   keep = band_keep(p, i, j, origin, full)
@@ -454,8 +465,9 @@ def _split_refs(refs, tables, tm, p: Plan):
 
 
 def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables, exact_pv: bool = False):
-  """exact_pv: P V with the float32 weights (score_mod's float arrays get gradients: the
-  backward's row term dO . out must equal its rowsum(P dP); see blockwise_loop)."""
+  """exact_pv: P V with the float32 weights, or for 16-bit v with the weights split in two
+  16-bit parts (score_mod's float arrays get gradients: the backward's row term dO . out
+  must equal its rowsum(P dP); see blockwise_loop)."""
   table_refs, smem_refs, origin, rest = _split_refs(refs, tables, tm, p)
   nr = len(p.mask_rows) + len(p.score_tables)
   q_ref, k_ref, v_ref = rest[:3]
@@ -482,9 +494,10 @@ def _forward_kernel(*refs, p: Plan, tm: _TileMods, tables, exact_pv: bool = Fals
     seen = l > 0.0
     inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
     o_ref[...] = (acc_sc[...] * _lanes(inv, p.D)).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
+    # m is in base 2 (`_LOG2E`)
+    lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
     if max_ref is not None:  # masked logits are LARGE_NEGATIVE: a row with none keeps it
-      max_ref[...] = m
+      max_ref[...] = jnp.where(m > LARGE_NEGATIVE, m * _LN2, LARGE_NEGATIVE)
 
 
 def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, full,
@@ -496,15 +509,20 @@ def _forward_step(p, tm, smem_refs, b, n, i, j, q_ref, k_ref, v_ref, m_sc, l_sc,
   # A row that has seen no visible key keeps m = LARGE_NEGATIVE: shift it by 0
   # instead, so that its masked logits give exp(LARGE_NEGATIVE) = 0, not 1.
   shift = jnp.where(m_next > LARGE_NEGATIVE, m_next, 0.0)
-  probs = jnp.exp(s - _lanes(shift, p.block_kv))  # [bq, bk]
-  alpha = jnp.exp(m_prev - m_next)  # [bq, 128]
+  probs = jnp.exp2(s - _lanes(shift, p.block_kv))  # [bq, bk]; s and m in base 2
+  alpha = jnp.exp2(m_prev - m_next)  # [bq, 128]
   l_sc[...] = alpha * l_prev + jnp.sum(probs, axis=1, keepdims=True)
   m_sc[...] = m_next
   v = v_ref[...]
-  if exact_pv:  # float32 weights: the residual out that score_mod's gradients read
-    pv = jax.lax.dot_general(probs, v.astype(jnp.float32), (((1,), (0,)), ((), ())),
+  if exact_pv and v.dtype == jnp.float32:  # the residual out that score_mod's gradients read
+    pv = jax.lax.dot_general(probs, v, (((1,), (0,)), ((), ())),
                              precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)  # [bq, D]
+  elif exact_pv:  # 16-bit v is exact: the weights in two 16-bit parts, two MXU passes
+    # (Precision.HIGHEST on float32 would take six), error about 2^-17 of each weight
+    hi = probs.astype(v.dtype)
+    lo = (probs - hi.astype(jnp.float32)).astype(v.dtype)
+    pv = _mxu(hi, v, ((1,), (0,))) + _mxu(lo, v, ((1,), (0,)))  # [bq, D]
   else:
     pv = _mxu(probs.astype(v.dtype), v, ((1,), (0,)))  # [bq, D]
   acc_sc[...] = acc_sc[...] * _lanes(alpha, p.D) + pv
@@ -534,7 +552,12 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   delta = jnp.sum(do.astype(jnp.float32) * o, axis=-1)
   do = _pad_rows(do.astype(query.dtype), p.T_padded)
   rows = lambda x: _pad_rows(jnp.broadcast_to(x[..., None], x.shape + (_LANES,)), p.T_padded)
-  lse_l, delta_l = rows(lse.astype(jnp.float32)), rows(delta)  # [B, N, Tp, 128]
+  # lse in base 2 as the tiles' logits (`_LOG2E`). A row with no visible key (lse =
+  # LARGE_NEGATIVE) gets -LARGE_NEGATIVE: its masked logits (LARGE_NEGATIVE) then give
+  # exp2 = 0 as every masked logit does, and the tiles need no second select on the weights
+  lse2 = lse.astype(jnp.float32)
+  lse2 = jnp.where(lse2 > LARGE_NEGATIVE, lse2 * _LOG2E, -LARGE_NEGATIVE)
+  lse_l, delta_l = rows(lse2), rows(delta)  # [B, N, Tp, 128]
   origin, scalars = _origin(p, offsets)
   tm, smem, row_arrays = _tile_mods(mods, p, origin)
   tables, table_arrays = _block_tables(p, mods, origin)
@@ -653,19 +676,18 @@ def _tile_grads(p, tm, smem_refs, b, n, i, j, q, k, v, do, lse, delta, read_grad
   """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32); read_grads: also the
   gradients of the float reads of score_mod's arrays and their flat indices, and those
   of its table reads (tiles) and where they read (`_tile_logits`)."""
-  s, keep, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
+  s, _, d_score = _tile_logits(p, tm, smem_refs, b, n, i, j, q, k, with_vjp=True,
                                   read_grads=read_grads, full=full, row_refs=row_refs,
                                   origin=origin)
-  probs = jnp.exp(s - _lanes(lse, p.block_kv))
-  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
-    probs = jnp.where(keep, probs, 0.0)
+  # both in base 2; masked logits are LARGE_NEGATIVE: exp2 gives 0 without a select
+  # (the rows with none visible have lse = -LARGE_NEGATIVE, `backward`)
+  probs = jnp.exp2(s - _lanes(lse, p.block_kv))
   # dP [bq, bk] = dO v^T
   dp = _mxu(do, v, ((1,), (1,)))
   ds = probs * (dp - _lanes(delta, p.block_kv))
   if read_grads:
-    d_x, *rest = d_score(ds)
-    return (probs, d_x * p.scale, *rest)
-  return probs, d_score(ds) * p.scale
+    return (probs, *d_score(ds))
+  return probs, d_score(ds)
 
 
 def _dq_kernel(*refs, p: Plan, tm: _TileMods, tables):

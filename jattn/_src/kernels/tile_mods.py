@@ -64,11 +64,77 @@ class _Element:
 
 
 def _is_tile(x) -> bool:
-  return hasattr(x, "shape") and len(x.shape) == 2
+  return isinstance(x, Linear) or (hasattr(x, "shape") and len(x.shape) == 2)
+
+
+class Linear:
+  """A float32 tile held as sum_i tile_i * c_i with scalar c_i (numbers or traced
+  scalars), multiplied out only where an operation needs the tile itself. A product
+  of constants then costs one multiply per entry, not one per factor: the kernel's
+  scale, soft-cap's 1 / cap and its cap, ALiBi's slope and the softmax's log2(e)
+  (`evaluate(..., out_scale=)`) fold into one multiply per term.
+  Pass one (`Linear.of`) as an argument to evaluate to use it."""
+
+  def __init__(self, terms):
+    self.terms = tuple(terms)  # ((tile [bq, bk] float32, c), ...)
+    self.shape, self.dtype = self.terms[0][0].shape, np.dtype(np.float32)
+
+  @classmethod
+  def of(cls, tile, c=1.0):
+    return cls(((tile, c),))
+
+  def times(self, c) -> "Linear":
+    return Linear((t, _product(k, c)) for t, k in self.terms)
+
+  def value(self):
+    out = None
+    for t, c in self.terms:
+      x = t if isinstance(c, float) and c == 1.0 else t * c
+      out = x if out is None else out + x
+    return out
+
+
+def _product(a, b):
+  if isinstance(a, float) and isinstance(b, float):
+    return a * b
+  return jnp.asarray(a, jnp.float32) * jnp.asarray(b, jnp.float32)
+
+
+def _float_scalar(x) -> bool:
+  return not _is_tile(x) and hasattr(x, "dtype") and x.dtype == jnp.float32 and (
+      np.shape(x) == ())
+
+
+def _linear(name, ins):
+  """The result of `name` on ins kept as a `Linear`, or None where it needs the tiles."""
+  if name == "mul" and len(ins) == 2:
+    for a, b in (ins, ins[::-1]):
+      if _float_scalar(b) and (isinstance(a, Linear) or (
+          _is_tile(a) and a.dtype == jnp.float32)):
+        return (a if isinstance(a, Linear) else Linear.of(a)).times(_number(b))
+  if name == "div" and len(ins) == 2 and isinstance(ins[0], Linear) and _float_scalar(ins[1]):
+    d = _number(ins[1])
+    if not (isinstance(d, float) and d == 0.0):  # x / 0 stays the division (inf, nan)
+      return ins[0].times(_product(1.0, 1.0 / d) if isinstance(d, float) else 1.0 / d)
+  if name == "neg" and isinstance(ins[0], Linear):
+    return ins[0].times(-1.0)
+  if name in ("add", "sub") and len(ins) == 2 and all(
+      isinstance(x, Linear) or (_is_tile(x) and x.dtype == jnp.float32) for x in ins):
+    a, b = (x if isinstance(x, Linear) else Linear.of(x) for x in ins)
+    return Linear(a.terms + (b.terms if name == "add" else b.times(-1.0).terms))
+  return None
+
+
+def _number(x):
+  """A literal scalar as a Python float (folded at trace time), else the traced scalar."""
+  try:
+    return float(x)
+  except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return x
 
 
 def evaluate(jaxpr, consts_meta, read, args, tile_shape, *, positions=None,
-             read_block=None, read_table=None):
+             read_block=None, read_table=None, out_scale=None):
   """jaxpr (open, its constvars = the Mods consts) on args (scalars or tiles) -> list.
 
   consts_meta: [(shape, dtype)] per const; read(i, flat_index) -> that element
@@ -82,13 +148,19 @@ def evaluate(jaxpr, consts_meta, read, args, tile_shape, *, positions=None,
   """
   consts = [_Const(i, shape, dtype) for i, (shape, dtype) in enumerate(consts_meta)]
   tags = {k: ("at", c) for k, c in (positions or {}).items()}
-  return _evaluate(jaxpr, consts, _Ctx(read, read_block, tile_shape, read_table), args, tags)
+  ctx = _Ctx(read, read_block, tile_shape, read_table)
+  ctx.lazy = any(isinstance(x, Linear) for x in args)
+  outs = _evaluate(jaxpr, consts, ctx, args, tags)
+  if out_scale is not None:
+    outs = [x.times(out_scale) if isinstance(x, Linear) else x * out_scale for x in outs]
+  return [x.value() if isinstance(x, Linear) else x for x in outs]
 
 
 class _Ctx:
   def __init__(self, read, read_block, tile_shape, read_table=None):
     self.read, self.read_block, self.tile_shape = read, read_block, tile_shape
     self.read_table = read_table
+    self.lazy = False  # float tiles kept as `Linear` where they can be
 
 
 class _Row:
@@ -199,6 +271,11 @@ def _eqn(eqn, ins, in_tags, ctx):
                       "arrays are)")
   if any(eqn.invars[k].aval.shape != () for k in range(len(eqn.invars))):
     raise Unsupported(f"'{name}' on a non-scalar value")
+  if ctx.lazy and eqn.outvars[0].aval.dtype == np.float32:
+    kept = _linear(name, ins)
+    if kept is not None:
+      return [kept]
+  ins = [x.value() if isinstance(x, Linear) else x for x in ins]
   out_dtype = eqn.outvars[0].aval.dtype
   scalar = (not any(_is_tile(x) for x in ins) and name in _SCALAR_SAFE
             and all(jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_
