@@ -102,6 +102,32 @@ def test_alibi_slopes_from_smem_and_prefix_lm_lengths():
   np.testing.assert_allclose(lse, _lse(q, k, allowed, bias=bias), atol=2e-5)
 
 
+def test_only_a_differentiated_call_pays_for_the_float32_residual(monkeypatch):
+  """ALiBi reads a float array: under jax.grad the forward writes the float32 out (P V in
+  float32) that the slopes' gradient needs; a call nothing differentiates runs the plain
+  forward (on v5e its FULL tile is about 1.4x cheaper: docs/tpu_kernel.md)."""
+  from jattn._src.kernels import flex_tpu_kernels
+  asked, real = [], flex_tpu_kernels.forward
+
+  def spy(*args, **kwargs):
+    asked.append(args[7] if len(args) > 7 else kwargs.get("accumulator_out", False))
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(flex_tpu_kernels, "forward", spy)
+  q, k, v = _inputs(T=64, S=128, N=2, K=1, dtype=jnp.bfloat16)
+  slopes = jnp.asarray([0.5, 0.25], jnp.float32)
+  f = lambda q, slopes: _run(q, k, v, score_mod=jattn.mods.alibi(slopes))[0]
+  out = f(q, slopes)
+  assert asked == [False]
+  t, s = np.arange(64)[:, None], np.arange(128)[None, :]
+  bias = np.asarray(slopes, np.float64)[None, :, None, None] * (s - t)[None, None]
+  allowed = np.ones((1, 2, 64, 128), bool)
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             reference_attention(q, k, v, bias, allowed), atol=2e-2)
+  jax.grad(lambda slopes: f(q, slopes).astype(jnp.float32).sum())(slopes)
+  assert asked[1:] == [True]
+
+
 def test_traced_soft_cap_chunks_sinks_and_bfloat16():
   q, k, v = _inputs(dtype=jnp.bfloat16)
   cap, sinks = 2.0, jnp.asarray([0.5, -1.0], jnp.float32)

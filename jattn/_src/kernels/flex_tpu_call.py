@@ -30,12 +30,15 @@ def _backward(*args):
 
 
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`:
-# the kernels under jattn's kernel VJP (sinks after the forward)
+# the kernels under jattn's kernel VJP (sinks after the forward); a call nothing
+# differentiates runs the forward without the gradients' float32 residual
 run = kernel_vjp.kernel_run(
     lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods,
                                                        None, True),  # out in float32
     lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
-        plan_, layout, q, k, v, modifiers.mods, out, lse, d_out))
+        plan_, layout, q, k, v, modifiers.mods, out, lse, d_out),
+    lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods,
+                                                       None, False))
 
 
 # ---------------------------------------------------------------- one ring step

@@ -40,8 +40,8 @@ def padded_kernel_run(kernels, *, out_in_layout: bool = False, accumulator_out: 
   imported on first use; accumulator_out: its forward takes that keyword (out in float32
   where score_mod's arrays get gradients)."""
 
-  def forward(p, layout: Layout, query, key, value, modifiers):
-    extra = dict(accumulator_out=True) if accumulator_out else {}
+  def forward(p, layout: Layout, query, key, value, modifiers, residual=accumulator_out):
+    extra = dict(accumulator_out=True) if residual else {}
     out, lse, max_logits = kernels().forward(p, layout, query, key, value, modifiers,
                                              **extra)
     if not out_in_layout:
@@ -49,10 +49,11 @@ def padded_kernel_run(kernels, *, out_in_layout: bool = False, accumulator_out: 
     max_logits = None if max_logits is None else max_logits[:, :, :p.T]
     return without_batch(out, layout), lse[:, :, :p.T], max_logits
 
-  return kernel_run(forward, lambda *args: kernels().backward(*args))
+  primal = functools.partial(forward, residual=False) if accumulator_out else None
+  return kernel_run(forward, lambda *args: kernels().backward(*args), primal)
 
 
-def kernel_run(forward, backward):
+def kernel_run(forward, backward, primal=None):
   """run(plan, query, key, value, modifiers, layout) -> (out, None, lse float32 [B, N, T],
   max logits float32 [B, N, T] or None) of a tile kernel, with the contract of
   `blockwise_attention` (gradients into query, key, value, sinks and score_mod's float
@@ -67,14 +68,17 @@ def kernel_run(forward, backward):
   backward(plan, layout, query, key, value, modifiers, out, lse, d_out) -> (dq, dk, dv,
   score_mod's consts' gradients: a tuple, None where the kernel gives none; or None for
   all: then they come from the blockwise backward);
+  primal: the forward of a call nothing differentiates (as forward; default forward):
+  out in value's dtype, so that an inference call pays nothing for the gradients'
+  float32 residual (the float32 P V that score_mod's float arrays ask for);
   modifiers' mods traced, the plan numbered for that trace (`kernel_plan.for_trace`).
   """
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
   def attention(plan, layout, query, key, value, modifiers):
-    return attention_fwd(plan, layout, query, key, value, modifiers)[0]
+    return attention_fwd(plan, layout, query, key, value, modifiers, primal or forward)[0]
 
-  def attention_fwd(plan, layout, query, key, value, modifiers):
+  def attention_fwd(plan, layout, query, key, value, modifiers, forward=forward):
     out, lse, max_logits = forward(plan, layout, query, key, value, modifiers)
     if modifiers.sinks is not None:  # into out and lse; a sink is no key's logit
       out, lse = add_sinks(out, lse, modifiers.sinks, batched(layout).out)
