@@ -13,7 +13,9 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    the gradients of causal GQA and of 4 documents with soft-cap (GQA), by flex_mgpu_ws's
    default backward (flex_mgpu's kernels) and by its warp-specialised dq and dk/dv kernels
    (flex_mgpu.ws_dq, ws_dkv: "flex_mgpu_ws:bwd"), against float64, relative to the
-   largest entry within 2e-2. Out error bound: 4 x the
+   largest entry within 2e-2; with them, Mosaic GPU's own ptxas report of the fast
+   kernels (registers, spills, setmaxnreg honoured or not: JSON "ptxas"). Out error
+   bound: 4 x the
    error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
 2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
    left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
@@ -184,7 +186,9 @@ def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcon
     with _context(args), context():
       loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
           q, k, v, implementation=impl, **kw).astype(jnp.float32) * g.astype(jnp.float32))
-      got = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+      report = f"{label} {case}" if label.endswith(":bwd") and not args.smoke else None
+      with _ptxas_report(out, report):
+        got = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
     if case == "causal_gqa_8_2":
       want = _grads(*(_f64(x) for x in (q, k, v, g)))
     else:
@@ -203,6 +207,34 @@ def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcon
     row = dict(case=f"{case}_grad", impl=label, passed=False, error=_error(e))
     say(f"[grad]   {case} {label} ERROR {row['error'][:600]}")
   out["values"].append(row)
+
+
+@contextlib.contextmanager
+def _ptxas_report(out, label):
+  """For label (else nothing): Mosaic GPU's own ptxas log of the kernels compiled inside,
+  read as benchmarks/gpu_static.py reads it: per kernel, registers, spills and whether
+  ptxas ignored setmaxnreg (C7504: jax 0.12 compiles with -c), into out["ptxas"]."""
+  if label is None:
+    yield
+    return
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import gpu_static  # noqa: PLC0415
+  log = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"mgpu_fast_check_{os.getpid()}.log"
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  try:
+    with gpu_static.captured_stdout(log):
+      yield
+  finally:
+    os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = {}
+    for name in gpu_static.KERNELS["flex_mgpu_ws"] + gpu_static.KERNELS["flex_mgpu"]:
+      figures = gpu_static.ptxas_figures(text, f"{name}_mosaic_gpu_kernel")
+      if figures:
+        found[name] = {k: figures[k] for k in ("registers", "spill_stores_bytes",
+                                               "spill_loads_bytes", "setmaxnreg_ignored")}
+    out.setdefault("ptxas", {})[label] = found or "no ptxas log (jax printed none)"
+    say(f"[ptxas]  {label}: {found or 'no ptxas log'}")
 
 
 def _grads(q, k, v, g):
