@@ -19,8 +19,9 @@ A program (one thread block, grid (T' / 128, N, B)) has three warpgroups:
 
 Both consumers visit the same kv tiles: the non-EMPTY tiles of the 128-row span (the
 block classes at tiles of 128 x bk); a FULL tile runs without the mask functions.
-q, k, v are read in [B, T, N, E] order by strided TMA boxes (for the default "BTNH"
-layout with aligned T and E no transpose pass), the output written likewise.
+q, k, v (and the backward's dO) are read and out (dq, dk, dv) written in the caller's
+layout by strided TMA boxes where `kernel_inputs.tma_in_place` holds (T, S whole tiles,
+H = D = E, features last): no transpose or pad pass; else through `to_tiles` copies.
 The backward is the reference kernels' (`flex_mgpu_kernels.backward`, 64 x 64 tiles), or
 inside `flex_mgpu.ws_dq()` / `ws_dkv()` the warp-specialised `_dq` / `_dkv` below.
 
