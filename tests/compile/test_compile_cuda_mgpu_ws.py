@@ -93,7 +93,7 @@ def check_budgets(target, case, tmp_path):
 
 
 DEFAULT = [("h100", "causal"), ("h100", "mods_document"), ("h100", "soft_cap"),
-           ("h200", "alibi")]
+           ("h200", "causal")]
 # the cases flex_mgpu_ws plans (relative_bias reads a table: Mosaic GPU has no gather)
 _WS_CASES = [c for c in CASES if c != "relative_bias"]
 
