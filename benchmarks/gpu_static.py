@@ -4,12 +4,13 @@
         [--cases causal soft_cap documents] [--out benchmarks/results/gpu_static_h100.json]
     python benchmarks/gpu_static.py --smoke     # T = 128, H = 64, one case (the test)
 
-For flex_gpu's three Triton kernels (forward, dq, dk/dv) and flex_mgpu's three Mosaic GPU
-kernels, each case's `jax.grad` program is compiled by `jattn._src.deviceless_cuda` (no
-GPU), and for paged_gpu's decode kernel (Triton) one `decode_attention` step of
-benchmarks/decode.py's batch (B = 8 rows of up to 32k, pages of 64, N = 16, K = 4, the
---H and --dtype given; causal and soft_cap: it takes no documents); the compilers' own
-output is read:
+For flex_gpu's three Triton kernels (forward, dq, dk/dv), flex_mgpu's three Mosaic GPU
+kernels and flex_mgpu_ws's three warp-specialised ones (its forward, and the dq and dk/dv
+kernels of `flex_mgpu.ws_dq()` / `ws_dkv()`), each case's `jax.grad` program is compiled
+by `jattn._src.deviceless_cuda` (no GPU), and for paged_gpu's decode kernel (Triton) one
+`decode_attention` step of benchmarks/decode.py's batch (B = 8 rows of up to 32k, pages
+of 64, N = 16, K = 4, the --H and --dtype given; causal and soft_cap: it takes no
+documents); the compilers' own output is read:
   registers per thread, spill stores / loads, barriers   ptxas -v (Mosaic GPU: its own
                                                          ptxas log, MOSAIC_GPU_DUMP_PTXAS;
                                                          Triton: ptxas -v -O3 run here on the
@@ -20,6 +21,15 @@ output is read:
                                                          innermost loop (a backward branch)
                                                          that holds a tensor-core
                                                          instruction, counted by opcode
+Each kernel gets `budgets` (issue 45, item 2), each True or False: no spills; registers
+within the launch's share of the register file (64K / threads per block); for a
+warp-specialised kernel, its `setmaxnreg` counts (read from the PTX) within the file
+(2 consumers x 232 + 1 producer x 40, x 128 threads <= 64K) and honoured by ptxas; a
+tensor-core instruction in the inner loop's SASS; shared memory within the card's 227
+KiB. Mosaic GPU kernels get them twice: `budgets` from Mosaic's own ptxas run (jax 0.12
+passes -c, and ptxas then ignores setmaxnreg: C7504), `budgets_whole_program` from
+ptxas run here on the same PTX without -c (setmaxnreg honoured, as jax 0.11.2's Mosaic
+GPU compiled on the H100). The SASS is always the latter's.
 Nothing runs and nothing is timed: these are budgets (does it spill, does it fit, is the
 loop's work on the tensor cores), not speed. The loop's count covers every path of its
 body (a FULL tile's and a PARTIAL tile's branch both count).
@@ -56,7 +66,14 @@ from jattn._src import deviceless_cuda  # noqa: E402
 
 KERNELS = {"flex_gpu": ("jattn_flex_gpu_fwd", "jattn_flex_gpu_dq", "jattn_flex_gpu_dkv"),
            "flex_mgpu": ("jattn_flex_mgpu_fwd", "jattn_flex_mgpu_dq", "jattn_flex_mgpu_dkv"),
+           # the warp-specialised forward, dq and dk/dv (flex_mgpu.ws_dq, ws_dkv)
+           "flex_mgpu_ws": ("jattn_flex_mgpu_ws_fwd", "jattn_flex_mgpu_ws_dq",
+                            "jattn_flex_mgpu_ws_dkv"),
            "paged_gpu": ("jattn_paged_decode_gpu",)}
+MOSAIC = ("flex_mgpu", "flex_mgpu_ws")
+# A Hopper SM: 64K 32-bit registers, 227 KiB of shared memory per block (opt-in)
+REGISTER_FILE = 65536
+SMEM_LIMIT = 232448
 # paged_gpu's decode step: benchmarks/decode.py's batch (B = 8 rows of up to 32k, pages of
 # 64 in a pool of 600, N = 16, K = 4), one query a row (T = 1), no write
 DECODE = dict(B=8, max_length=32768, page_size=64, num_pages=600, N=16, K=4)
@@ -73,11 +90,13 @@ def case_kwargs(case: str, B: int, T: int, N: int) -> dict:
     return dict(is_causal=True)
   if case == "soft_cap":
     return dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP))
+  if case == "alibi":
+    return dict(is_causal=True, score_mod=mods.alibi(mods.alibi_slopes(N)))
   if case == "documents":
     ids = jnp.asarray(np.repeat(np.arange(DOCUMENTS), -(-T // DOCUMENTS))[:T][None]
                       .repeat(B, 0).astype(np.int32))
     return dict(mask_mod=mods.document(ids, ids))
-  raise ValueError(f"case must be causal, soft_cap or documents, got {case!r}")
+  raise ValueError(f"case must be causal, soft_cap, alibi or documents, got {case!r}")
 
 
 def decode_program(case: str, *, H, dtype):
@@ -96,17 +115,33 @@ def decode_program(case: str, *, H, dtype):
       q, cache)
 
 
-def program(implementation: str, case: str, *, B, T, N, H, dtype):
+def program(implementation: str, case: str, *, B, T, N, H, dtype, K=None, kwargs=None):
+  """(jax.grad of the call, its inputs); flex_mgpu_ws's must be traced inside
+  `planned(implementation)` (its warp-specialised backward is opt-in). K: kv heads (N);
+  kwargs: the call's keywords instead of `case_kwargs(case)` (the compile tier's cases).
+  paged_gpu: its decode step (no backward)."""
   if implementation == "paged_gpu":
     return decode_program(case, H=H, dtype=dtype)
-  kw = case_kwargs(case, B, T, N)
+  kw = case_kwargs(case, B, T, N) if kwargs is None else kwargs
   x = jax.ShapeDtypeStruct((B, T, N, H), jnp.dtype(dtype))  # [B, T, N, H]
+  kv = jax.ShapeDtypeStruct((B, T, K or N, H), jnp.dtype(dtype))
 
   def loss(q, k, v):
     out = jattn.dot_product_attention(q, k, v, implementation=implementation, **kw)
     return jnp.sum(out.astype(jnp.float32))
 
-  return jax.grad(loss, argnums=(0, 1, 2)), (x, x, x)
+  return jax.grad(loss, argnums=(0, 1, 2)), (x, kv, kv)
+
+
+@contextlib.contextmanager
+def planned(implementation: str):
+  """Plans made inside take flex_mgpu_ws's warp-specialised dq and dk/dv kernels."""
+  if implementation != "flex_mgpu_ws":
+    yield
+    return
+  from jattn._src.kernels import flex_mgpu
+  with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+    yield
 
 
 # ---------------------------------------------------------------- the tools
@@ -142,6 +177,8 @@ def ptxas_figures(log: str, kernel: str) -> dict:
   if at < 0:
     return {}
   block = log[at:].split("Compile time", 1)[0]
+  # the notes ptxas prints for this compile before its entry (C7504: setmaxnreg ignored)
+  before = log[log.rfind("Compile time", 0, at) + 1:at]
   number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, block)) else 0
   return {"registers": number(r"Used (\d+) registers"),
           "spill_stores_bytes": number(r"(\d+) bytes spill stores"),
@@ -150,7 +187,9 @@ def ptxas_figures(log: str, kernel: str) -> dict:
           "barriers": number(r"used (\d+) barriers"),
           "static_smem_bytes": number(r"(\d+) bytes smem"),
           "ptxas_notes": sorted(set(re.findall(r"\((C\d+)\) ([^\n]*?) in the function '"
-                                               + kernel + "'", log)))}
+                                               + kernel + "'", log))
+                                | set(re.findall(r"\((C\d+)\) ([^\n]*)", before))),
+          "setmaxnreg_ignored": "'setmaxnreg' ignored" in before + block}
 
 
 def run_ptxas(ptx: pathlib.Path, ptxas: str, arch: str) -> tuple[str, pathlib.Path]:
@@ -249,16 +288,19 @@ def _named_resources():
 # ---------------------------------------------------------------- one compile
 
 
-def measure(implementation, case, *, target, B, T, N, H, dtype, tools, work: pathlib.Path):
-  fn, args = program(implementation, case, B=B, T=T, N=N, H=H, dtype=dtype)
+def measure(implementation, case, *, target, B, T, N, H, dtype, tools, work: pathlib.Path,
+            K=None, kwargs=None):
+  """The figures of one case's kernels (see the module doc); K, kwargs: as `program`."""
+  fn, args = program(implementation, case, B=B, T=T, N=N, H=H, dtype=dtype, K=K,
+                     kwargs=kwargs)
   dump = work / f"{implementation}_{case}"
   dump.mkdir(parents=True)
   names = KERNELS[implementation]
   started = time.perf_counter()
-  if implementation == "flex_mgpu":  # Mosaic GPU compiles its kernels and logs to stdout
+  if implementation in MOSAIC:  # Mosaic GPU compiles its kernels and logs to stdout
     os.environ.update({name: "1" for name in _MOSAIC_DUMPS})
     try:
-      with captured_stdout(dump / "mosaic.log"), _named_resources():
+      with captured_stdout(dump / "mosaic.log"), _named_resources(), planned(implementation):
         compiled = deviceless_cuda.compile_for(target, fn, *args,
                                                options={"xla_dump_to": str(dump)})
     finally:
@@ -275,7 +317,7 @@ def measure(implementation, case, *, target, B, T, N, H, dtype, tools, work: pat
     raise RuntimeError(f"the compiled program lacks {missing}")
   thunks = "\n".join(p.read_text() for p in dump.glob("*thunk_sequence.txt"))
   ptx = {}  # kernel -> the PTX file that defines it
-  if implementation == "flex_mgpu":
+  if implementation in MOSAIC:
     log = (dump / "mosaic.log").read_text(errors="replace")
     # each kernel's PTX, as LLVM printed it, then ptxas's log of it
     chunks = ["//\n// Generated by LLVM NVPTX" + c.split("\nptxas ", 1)[0]
@@ -295,6 +337,7 @@ def measure(implementation, case, *, target, B, T, N, H, dtype, tools, work: pat
         threads = re.search(r"\.(?:maxntid|reqntid)\s+(\d+),\s*(\d+),\s*(\d+)", body[0])
         kernels[name]["threads_per_block"] = (int(threads.group(1)) * int(threads.group(2))
                                               * int(threads.group(3)) if threads else None)
+        kernels[name]["setmaxnreg"] = setmaxnreg_of(body[0])
   else:
     for path in dump.glob("*.ptx"):
       for name in names:
@@ -310,8 +353,10 @@ def measure(implementation, case, *, target, B, T, N, H, dtype, tools, work: pat
   for name, (path, entry) in ptx.items():
     log, cubin = run_ptxas(path, tools["ptxas"], "sm_90a")
     mine = ptxas_figures(log, entry)
-    if implementation == "flex_mgpu":  # the same PTX through the pinned ptxas: agree?
+    if implementation in MOSAIC:  # the same PTX through the pinned ptxas: agree?
       kernels[name]["registers_ptxas_here"] = mine.get("registers")
+      # a whole-program compile (no -c): setmaxnreg honoured, as jax 0.11.2's Mosaic did
+      kernels[name]["ptxas_here"] = mine
     else:
       kernels[name].update(mine)
       kernels[name]["ptxas"] = "ptxas -v -O3 -arch=sm_90a on XLA's PTX, here"
@@ -325,8 +370,43 @@ def measure(implementation, case, *, target, B, T, N, H, dtype, tools, work: pat
   for name in names:
     if name not in ptx:
       kernels[name]["error"] = "no PTX found for this kernel"
+    kernels[name]["budgets"] = budgets(kernels[name])
+    if "ptxas_here" in kernels[name]:
+      kernels[name]["budgets_whole_program"] = budgets({**kernels[name],
+                                                        **kernels[name]["ptxas_here"]})
   return {"implementation": implementation, "case": case, "compile_seconds": round(seconds, 1),
           "kernels": kernels}
+
+
+def setmaxnreg_of(ptx: str) -> dict:
+  """{"inc": [counts], "dec": [counts]}: the kernel's setmaxnreg instructions."""
+  found = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+  return {kind: sorted({int(n) for k, n in found if k == kind}) for kind in ("inc", "dec")}
+
+
+def budgets(k: dict) -> dict:
+  """Issue 45 item 2's budgets of one kernel's figures: name -> True / False (None where a
+  figure is missing). "setmaxnreg_honoured": False where ptxas ignored setmaxnreg (jax
+  0.12's Mosaic GPU compiles with -c: C7504), so the consumers get only the launch's
+  share of registers."""
+  threads, regs = k.get("threads_per_block"), k.get("registers")
+  smem = (k.get("dynamic_smem_bytes") or 0) + k.get("static_smem_bytes", 0)
+  loop = k.get("inner_loop", {})
+  out = {"no_spills": (k.get("spill_stores_bytes") == 0 and k.get("spill_loads_bytes") == 0)
+         if "spill_stores_bytes" in k else None,
+         "registers_within_launch": (regs <= REGISTER_FILE // threads)
+         if regs and threads else None,
+         "tensor_core_in_inner_loop": loop.get("tensor_core", 0) >= 1
+         if "error" not in loop else None,
+         "smem_within_card": (0 < smem <= SMEM_LIMIT) if smem else None}
+  nreg = k.get("setmaxnreg")
+  if nreg and (nreg["inc"] or nreg["dec"]) and threads:
+    # the consumers' warpgroups raise to inc, the last one (the producer) lowers to dec
+    groups = threads // 128
+    inc, dec = max(nreg["inc"], default=0), min(nreg["dec"], default=0)
+    out["setmaxnreg_within_file"] = 128 * ((groups - 1) * inc + dec) <= REGISTER_FILE
+    out["setmaxnreg_honoured"] = not k.get("setmaxnreg_ignored", False)
+  return out
 
 
 # ---------------------------------------------------------------- the table
@@ -334,7 +414,8 @@ def measure(implementation, case, *, target, B, T, N, H, dtype, tools, work: pat
 
 def table(results) -> str:
   head = ("kernel", "case", "regs", "spill st/ld", "smem KiB", "bar", "threads",
-          "loop instr", "MMA", "MMA %", "MUFU", "FP32", "other")
+          "loop instr", "MMA", "MMA %", "MUFU", "FP32", "other", "budgets",
+          "whole-program spills, budgets")
   rows = [head]
   for r in results:
     for name, k in r["kernels"].items():
@@ -348,9 +429,19 @@ def table(results) -> str:
                    f"{100 * loop['tensor_core_share']:.1f}" if "tensor_core_share" in loop
                    else "-", c.get("exp_and_special", "-"), c.get("fp32_alu", "-"),
                    (loop["instructions"] - loop["tensor_core"] - c.get("exp_and_special", 0)
-                    - c.get("fp32_alu", 0)) if "instructions" in loop else "-"))
+                    - c.get("fp32_alu", 0)) if "instructions" in loop else "-",
+                   _budget_word(k.get("budgets", {})),
+                   (f"{k['ptxas_here'].get('spill_stores_bytes')}/"
+                    f"{k['ptxas_here'].get('spill_loads_bytes')} "
+                    + _budget_word(k["budgets_whole_program"]))
+                   if "budgets_whole_program" in k else "-"))
   widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
   return "\n".join("  ".join(str(v).rjust(w) for v, w in zip(row, widths)) for row in rows)
+
+
+def _budget_word(b: dict) -> str:
+  failed = [name for name, ok in b.items() if ok is False]
+  return ("over: " + ",".join(failed)) if failed else "ok"
 
 
 def main(argv=None) -> int:

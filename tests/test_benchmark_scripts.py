@@ -135,12 +135,16 @@ def test_the_gpu_check_reruns_the_failed_tests_by_node_id(tmp_path):
                     reason="the rehearsal interprets flex_mgpu (jax >= 0.11's GPU interpreter)")
 def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
   """tools/mgpu_fast_check.py --smoke: the flex_mgpu_ws check end to end, the interpreted
-  flex_mgpu standing in for the compiled-only fast path (about 150 s here)."""
+  flex_mgpu standing in for the compiled-only fast path (about 250 s here): both
+  gradient cases against float64, and the in-place and through-tiles timings."""
   done = subprocess.run([sys.executable, str(ROOT / "tools" / "mgpu_fast_check.py"), "--smoke",
-                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200,
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads((tmp_path / "mgpu_fast_check.json").read_text())
   assert result["values"] and all(r["passed"] for r in result["values"]), result["values"]
   assert {r["pass_"] for r in result["speed"]} == {"fwd", "fwd+bwd"}, result["speed"]
   assert not result["errors"] and not result["skipped"], result["errors"]
+  assert {r["case"] for r in result["values"]} >= {"causal_gqa_8_2_grad",
+                                                   "documents_4_soft_cap_gqa_8_2_grad"}
+  assert {"flex_mgpu", "flex_mgpu:tiles"} <= {r["contender"] for r in result["speed"]}

@@ -9,10 +9,13 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
 1. values (bfloat16, H = 128): flex_mgpu_ws's out and lse against the float64 NumPy
    reference (tests/reference.py) for causal, 16 documents, a sliding window, soft-cap,
    ALiBi, chunked, prefix-LM, grouped heads (N = 8, K = 2), T != S, unaligned T, a fully
-   masked row and max logits; the gradient (its backward is flex_mgpu's) for one case;
-   the interpretable flex_mgpu, compiled, beside it on causal; the gradient (flex_mgpu's
-   backward kernels), and with the warp-specialised dq and dk/dv kernels
-   (flex_mgpu.ws_dq, ws_dkv: "flex_mgpu_ws:bwd"). Error bound: 4 x the
+   masked row and max logits; the interpretable flex_mgpu, compiled, beside it on causal;
+   the gradients of causal GQA and of 4 documents with soft-cap (GQA), by flex_mgpu_ws's
+   default backward (flex_mgpu's kernels) and by its warp-specialised dq and dk/dv kernels
+   (flex_mgpu.ws_dq, ws_dkv: "flex_mgpu_ws:bwd"), against float64, relative to the
+   largest entry within 2e-2; with them, Mosaic GPU's own ptxas report of the fast
+   kernels (registers, spills, setmaxnreg honoured or not: JSON "ptxas"). Out error
+   bound: 4 x the
    error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
 2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
    left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
@@ -21,10 +24,13 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
    rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
    backward at the first length (flex_mgpu_ws's backward is flex_mgpu's; ":bwd" with the
-   warp-specialised dq and dk/dv kernels).
-Order: causal's values, its forward times at T = 4096, the other values, the gradients,
-the other timings. Each case's failure is caught, printed and recorded; the next case runs. New work stops
-starting after --deadline seconds. JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
+   warp-specialised dq and dk/dv kernels); on causal, ":tiles": each Mosaic GPU path
+   made to read and write through the to_tiles transposes (kernel_inputs.through_tiles),
+   the cost the in-place TMA reads and writes removed.
+Order: causal's values, the gradients, causal forward + backward and forward at T =
+4096, the other values, the other timings. Each case's failure is caught, printed and
+recorded; the next case runs. New work stops starting after --deadline seconds.
+JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
 """
 
 from __future__ import annotations
@@ -50,9 +56,10 @@ import numpy as np  # noqa: E402
 import jattn  # noqa: E402
 from jattn import mods  # noqa: E402
 from jattn._src.impl.interpret import pallas_interpret  # noqa: E402
-from jattn._src.kernels import flex_mgpu  # noqa: E402
+from jattn._src.kernels import flex_mgpu, kernel_inputs  # noqa: E402
 from benchmarks import gpu_kernels as bench  # noqa: E402
 from tests.reference import reference_mods  # noqa: E402
+from tests.reference_grads import reference_mods_vjp  # noqa: E402
 
 FAST = "flex_mgpu_ws"
 SOFT_CAP = 30.0
@@ -105,7 +112,7 @@ def _f64(x):
 
 
 def check_values(args, out, deadline, impls, names):
-  B, N, H = 2, 8, (32 if args.smoke else 128)
+  B, N, H = 2, 8, (64 if args.smoke else 128)
   cases = value_cases(N)
   rng = np.random.default_rng(0)
   for name in names:
@@ -154,35 +161,80 @@ def check_values(args, out, deadline, impls, names):
       out["values"].append(row)
 
 
-def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcontext):
-  """d sum(out * g) / d q, k, v of causal GQA against the float64 analytic gradient;
-  context(): planned inside it (flex_mgpu.ws_dq for the warp-specialised dq kernel)."""
+GRAD_CASES = ("causal_gqa_8_2", "documents_4_soft_cap_gqa_8_2")
+
+
+def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcontext,
+               case="causal_gqa_8_2"):
+  """d sum(out * g) / d q, k, v of a GQA case (N = 8, K = 2; "BTNH" with T a multiple of
+  128 and H = 128: read in place) against the float64 gradient (causal: analytic; 4
+  documents with soft-cap: tests/reference_grads.py); context(): planned inside it
+  (`_fast_backward` for the warp-specialised dq and dk/dv kernels)."""
   label = label or impl
   if time.perf_counter() > deadline:
-    out["skipped"].append(dict(stage="grad", impl=impl))
+    out["skipped"].append(dict(stage="grad", impl=label, case=case))
     return
-  B, T, N, K, H = 1, (128 if args.smoke else 512), 8, 2, (32 if args.smoke else 128)
+  B, T, N, K, H = 1, (128 if args.smoke else 512), 8, 2, (64 if args.smoke else 128)
   rng = np.random.default_rng(1)
   q, k, v, g = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in
                 ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
+  ids = np.repeat(np.arange(4), T // 4)
+  kw = dict(is_causal=True) if case == "causal_gqa_8_2" else dict(
+      mask_mod=mods.document(jnp.asarray(ids[None])), score_mod=mods.soft_cap(SOFT_CAP))
   start = time.perf_counter()
   try:
     with _context(args), context():
       loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
-          q, k, v, implementation=impl, is_causal=True).astype(jnp.float32) * g.astype(
-              jnp.float32))
-      got = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
-    want = _grads(*(_f64(x) for x in (q, k, v, g)))
+          q, k, v, implementation=impl, **kw).astype(jnp.float32) * g.astype(jnp.float32))
+      report = f"{label} {case}" if label.endswith(":bwd") and not args.smoke else None
+      with _ptxas_report(out, report):
+        got = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+    if case == "causal_gqa_8_2":
+      want = _grads(*(_f64(x) for x in (q, k, v, g)))
+    else:
+      tanh = lambda x: np.tanh(x / SOFT_CAP)
+      _, *want = reference_mods_vjp(*(_f64(x) for x in (q, k, v, g)),
+                                    allowed=ids[:, None] == ids[None, :],
+                                    score=lambda x: SOFT_CAP * tanh(x),
+                                    d_score=lambda x: 1.0 - tanh(x) ** 2)
     errs = [float(np.max(np.abs(_f64(a) - b)) / np.max(np.abs(b))) for a, b in zip(got, want)]
     ok = max(errs) < 2e-2  # bfloat16 inputs and dq, dk, dv: relative to the largest entry
-    row = dict(case="causal_gqa_8_2_grad", impl=label, rel_err=errs, passed=ok,
+    row = dict(case=f"{case}_grad", impl=label, rel_err=errs, passed=ok,
                seconds=round(time.perf_counter() - start, 1))
-    say(f"[grad]   causal GQA 8/2 {label}: {'ok' if ok else 'FAIL'} relative errors dq, dk, dv "
+    say(f"[grad]   {case} {label}: {'ok' if ok else 'FAIL'} relative errors dq, dk, dv "
         f"{', '.join(f'{e:.3g}' for e in errs)} (bound 2e-2)")
   except Exception as e:  # noqa: BLE001
-    row = dict(case="causal_gqa_8_2_grad", impl=label, passed=False, error=_error(e))
-    say(f"[grad]   {label} ERROR {row['error'][:600]}")
+    row = dict(case=f"{case}_grad", impl=label, passed=False, error=_error(e))
+    say(f"[grad]   {case} {label} ERROR {row['error'][:600]}")
   out["values"].append(row)
+
+
+@contextlib.contextmanager
+def _ptxas_report(out, label):
+  """For label (else nothing): Mosaic GPU's own ptxas log of the kernels compiled inside,
+  read as benchmarks/gpu_static.py reads it: per kernel, registers, spills and whether
+  ptxas ignored setmaxnreg (C7504: jax 0.12 compiles with -c), into out["ptxas"]."""
+  if label is None:
+    yield
+    return
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import gpu_static  # noqa: PLC0415
+  log = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"mgpu_fast_check_{os.getpid()}.log"
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  try:
+    with gpu_static.captured_stdout(log):
+      yield
+  finally:
+    os.environ.pop("MOSAIC_GPU_DUMP_PTXAS", None)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = {}
+    for name in gpu_static.KERNELS["flex_mgpu_ws"] + gpu_static.KERNELS["flex_mgpu"]:
+      figures = gpu_static.ptxas_figures(text, f"{name}_mosaic_gpu_kernel")
+      if figures:
+        found[name] = {k: figures[k] for k in ("registers", "spill_stores_bytes",
+                                               "spill_loads_bytes", "setmaxnreg_ignored")}
+    out.setdefault("ptxas", {})[label] = found or "no ptxas log (jax printed none)"
+    say(f"[ptxas]  {label}: {found or 'no ptxas log'}")
 
 
 def _grads(q, k, v, g):
@@ -223,7 +275,7 @@ def measure_speed(args, out, deadline, impls, jobs):
   torch_device, note = bench._torch_device(argparse.Namespace(torch=True, smoke=args.smoke))
   out["torch"] = note
   say(f"[speed] torch: {note}")
-  N, H = (2, 32) if args.smoke else (16, 128)
+  N, H = (2, 64) if args.smoke else (16, 128)
   inputs = {}
   for T, case, backward in jobs:
     pass_ = "fwd+bwd" if backward else "fwd"
@@ -267,8 +319,9 @@ def measure_speed(args, out, deadline, impls, jobs):
 
 def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
   """name -> fn(q, k, v) [B, T, N, H]: the fast path's variants ("flex_mgpu_ws:kv64" its
-  64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels), the reference (causal
-  only: the interpreted design's cost), flex_gpu and cuDNN (causal)."""
+  64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels; ":tiles", causal, each
+  Mosaic GPU path through the to_tiles transposes it no longer needs), the reference
+  (causal only: the interpreted design's cost), flex_gpu and cuDNN (causal)."""
   ids = jnp.asarray(np.repeat(np.arange(bench.DOCUMENTS), -(-T // bench.DOCUMENTS))[:T][
       None].repeat(B, 0))
   kw = {"causal": dict(is_causal=True), "documents": dict(mask_mod=mods.document(ids)),
@@ -276,6 +329,12 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
   attend = lambda impl, extra=None: (lambda q, k, v: jattn.dot_product_attention(
       q, k, v, implementation=impl, **(extra or kw)))
   out = {impls[0]: attend(impls[0])}
+  if case == "causal":  # the in-place reads and writes against the to_tiles copies
+    for impl in impls:
+      def tiles(q, k, v, impl=impl):
+        with kernel_inputs.through_tiles():
+          return attend(impl)(q, k, v)
+      out[f"{impl}:tiles"] = tiles
   if FAST in impls and backward:
     def fast_backward(q, k, v):
       with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
@@ -376,8 +435,9 @@ def _error(e: BaseException) -> str:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "mgpu_fast_check_out"))
-  parser.add_argument("--deadline", type=float, default=170.0,
-                      help="seconds after which no new case starts")
+  parser.add_argument("--deadline", type=float, default=None,
+                      help="seconds after which no new case starts (170 on a card; 700 in a "
+                           "--smoke rehearsal, where the interpreter runs every case)")
   parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--smoke", action="store_true",
@@ -385,6 +445,8 @@ def main(argv=None):
                            "in for flex_mgpu_ws (which runs compiled only)")
   args = parser.parse_args(argv)
   start = time.perf_counter()
+  if args.deadline is None:
+    args.deadline = 700.0 if args.smoke else 170.0
   deadline = start + args.deadline
   platform = jax.devices()[0].platform
   if args.smoke:
@@ -413,13 +475,17 @@ def main(argv=None):
     if args.smoke:  # cases without per-token arrays (their shapes are the card's)
       names = ["causal", "sliding_window_100", "fully_masked_rows"]
     jobs = speed_jobs(args.lengths)
+    # first what no card has seen: the warp-specialised dq and dk/dv kernels' gradients,
+    # then their forward + backward time beside the old backward, cuDNN and FlexAttention
     check_values(args, out, deadline, impls, names[:1])
-    measure_speed(args, out, deadline, impls, jobs[:1])
+    for case in GRAD_CASES:
+      check_grad(args, out, deadline, impls[0], case=case)
+      if FAST in impls:
+        check_grad(args, out, deadline, FAST, f"{FAST}:bwd", _fast_backward, case=case)
+    backward_first = [job for job in jobs if job[2]] + [job for job in jobs if not job[2]]
+    measure_speed(args, out, deadline, impls, backward_first[:2])
     check_values(args, out, deadline, impls, names[1:])
-    check_grad(args, out, deadline, impls[0])
-    if FAST in impls:  # its warp-specialised dq and dk/dv kernels
-      check_grad(args, out, deadline, FAST, f"{FAST}:bwd", _fast_backward)
-    measure_speed(args, out, deadline, impls, jobs[1:])
+    measure_speed(args, out, deadline, impls, backward_first[2:])
   finally:
     out["seconds"] = round(time.perf_counter() - start, 1)
     bad = [r for r in out["values"] if not r.get("passed")]

@@ -1,5 +1,7 @@
-"""benchmarks/gpu_static.py --smoke: the static report of the seven GPU kernels runs on this
-CPU (deviceless compile for an H100) and reads every figure from the compilers' output."""
+"""benchmarks/gpu_static.py --smoke: the static report of the ten GPU kernels (flex_gpu,
+flex_mgpu, flex_mgpu_ws with its warp-specialised backward, paged_gpu's decode) runs on
+this CPU (deviceless compile for an H100) and reads every figure from the compilers'
+output; the budgets themselves are asserted by test_compile_cuda_mgpu_ws.py."""
 
 import json
 import pathlib
@@ -29,13 +31,18 @@ def test_gpu_static_reports_every_kernel_in_smoke_mode(tmp_path):
   assert report["device_kind"] == "NVIDIA H100 80GB HBM3" and not report["errors"]
   kernels = {name: k for r in report["results"] for name, k in r["kernels"].items()}
   assert sorted(kernels) == sorted(
-      [f"jattn_{impl}_{part}" for impl in ("flex_gpu", "flex_mgpu") for part in ("fwd", "dq", "dkv")]
-      + ["jattn_paged_decode_gpu"])
+      [f"jattn_{impl}_{part}" for impl in ("flex_gpu", "flex_mgpu", "flex_mgpu_ws")
+       for part in ("fwd", "dq", "dkv")] + ["jattn_paged_decode_gpu"])
   for name, k in kernels.items():
     assert 0 < k["registers"] <= 255 and k["barriers"] >= 1, (name, k)
     assert k["threads_per_block"] % 128 == 0 and k["dynamic_smem_bytes"] > 0, (name, k)
     assert k["spill_stores_bytes"] >= 0
-    if name.startswith("jattn_flex_mgpu"):  # Mosaic's own ptxas and ours read one PTX alike
+    assert set(k["budgets"]) >= {"no_spills", "registers_within_launch", "smem_within_card",
+                                 "tensor_core_in_inner_loop"}, (name, k)
+    if name.startswith("jattn_flex_mgpu_ws"):  # setmaxnreg: consumers up, the producer down
+      assert k["setmaxnreg"]["inc"] and k["setmaxnreg"]["dec"], (name, k)
+      assert k["threads_per_block"] == 384 and "budgets_whole_program" in k, (name, k)
+    elif name.startswith("jattn_flex_mgpu"):  # Mosaic's own ptxas and ours read one PTX alike
       assert k["registers_ptxas_here"] == k["registers"], (name, k)
     if report["nvdisasm"]:  # a Hopper kernel's loop runs its products on the tensor cores
       loop = k["inner_loop"]

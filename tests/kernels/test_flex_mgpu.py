@@ -390,3 +390,80 @@ def test_ws_interpreted_values_and_fast_backward_against_float64(case):
   for name, got, w in zip("qkv", grads, want):
     assert np.all(np.isfinite(_f64(got))), name
     np.testing.assert_allclose(_f64(got), w, atol=_tolerance(w), err_msg=f"d{name}")
+
+
+# ---------------------------------------------------------------- in place (both kernels)
+
+_T_IN = 128  # whole 128-row programs of flex_mgpu_ws: q, k, v read where they lie
+_IN_PLACE = dict(mask_mod=lambda b, n, t, s: ((t - s) % 3 != 1) & (s <= t + 20 * n),
+                 score_mod=mods.alibi(jnp.asarray(SLOPES)))
+
+
+def _in_place_reference(q, k, v, cot):
+  t, s = np.arange(_T_IN)[:, None], np.arange(_T_IN)[None, :]
+  allowed = ((t - s) % 3 != 1) & (s <= t + 20 * np.arange(N)[:, None, None])
+  score = lambda x: x + SLOPES[None, :, None, None] * (s - t)
+  want, _ = reference_mods(q, k, v, allowed=allowed, score=score)
+  _, *grads = reference_mods_vjp(q, k, v, cot, allowed=allowed, score=score, d_score=None)
+  return want, grads
+
+
+@needs_interpreter
+@pytest.mark.parametrize("impl,layout", [
+    ("flex_mgpu", "BTNH"), ("flex_mgpu_ws", "BTNH"),
+    *(pytest.param(i, lay, marks=pytest.mark.thorough)
+      for i, lay in (("flex_mgpu", "BNTH"), ("flex_mgpu_ws", "BNTH"), ("flex_mgpu", "TNH")))])
+def test_in_place_values_and_gradients_against_float64(impl, layout):
+  """T = S = 128 and H = 64: both kernels read q, k, v, dO and write out, dq, dk, dv in the
+  caller's layout by TMA (flex_mgpu_ws with its warp-specialised dq and dk/dv kernels);
+  against float64. "TNH" has no batch axis."""
+  if impl == "flex_mgpu_ws" and compat.missing("pallas_mosaic_gpu_ws"):
+    pytest.skip(compat.missing("pallas_mosaic_gpu_ws"))
+  from jattn._src.kernels import flex_mgpu
+  q, k, v = _inputs(seed=7, T=_T_IN, S=_T_IN)
+  cot = np.random.default_rng(8).standard_normal((B, _T_IN, N, H))
+  bs = slice(None) if "B" in layout else 0  # "TNH": the first batch row alone
+  to = lambda x: jnp.einsum(f"BTNH->{layout if 'B' in layout else 'B' + layout}", x)[bs]
+  back = lambda x: np.einsum(f"{layout if 'B' in layout else 'B' + layout}->BTNH",
+                             _f64(x) if "B" in layout else _f64(x)[None])
+  attend = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation=impl,
+                                                       layout=layout, **_IN_PLACE)
+  loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * to(cot))
+  with pallas_interpret(), flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+    out = attend(to(q), to(k), to(v))
+    grads = jax.grad(loss, argnums=(0, 1, 2))(to(q), to(k), to(v))
+  b = slice(None) if "B" in layout else slice(0, 1)
+  want, want_grads = _in_place_reference(*(_f64(x)[b] for x in (q, k, v)), cot[b])
+  np.testing.assert_allclose(back(out), want, atol=_tolerance(want))
+  for name, got, w in zip("qkv", grads, want_grads):
+    np.testing.assert_allclose(back(got), w, atol=_tolerance(w), err_msg=f"d{name}")
+
+
+def _big_moves(text: str, T: int, E: int = 128) -> list[str]:
+  """The exported program's transposes and pads of arrays with a T (or its padding to
+  256) and an E axis: q, k, v, out and their gradients (not the block tables, nor a [B,
+  N, T] row statistic)."""
+  big = lambda dims: bool({T, 256} & set(dims)) and E in dims
+  return [line.strip()[:160] for line in text.splitlines()
+          if re.search(r"stablehlo\.(transpose|pad)\b", line)
+          and any(big([int(d) for d in m.split("x")])
+                  for m in re.findall(r"tensor<((?:\d+x)+)", line) for m in [m[:-1]])]
+
+
+@needs_mosaic_gpu
+@pytest.mark.parametrize("impl", ["flex_mgpu", "flex_mgpu_ws"])
+def test_export_in_place_moves_no_q_k_v_or_out(impl):
+  """At T = 384, H = 128 in "BTNH" the forward and the gradient (flex_mgpu_ws with its
+  warp-specialised backward) hold the kernels and no transpose or pad of a rank-4 array;
+  at T = 200 (unaligned: zero-padded tiles) they do, so the check can fail."""
+  if impl == "flex_mgpu_ws" and compat.missing("pallas_mosaic_gpu_ws"):
+    pytest.skip(compat.missing("pallas_mosaic_gpu_ws"))
+  from jattn._src.kernels import flex_mgpu
+  kw = dict(mask_mod=mods.causal())
+  export_ = _exported_ws if impl == "flex_mgpu_ws" else (
+      lambda kw, fn, E, T: _exported(kw, fn, E, T))
+  with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+    for fn in ("forward", "grad"):
+      text = export_(kw, fn, 128, T=384)
+      assert MOSAIC in text and not _big_moves(text, 384), (fn, _big_moves(text, 384))
+    assert _big_moves(export_(kw, "forward", 128, T=200), 200)

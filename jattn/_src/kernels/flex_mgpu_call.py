@@ -18,8 +18,9 @@ def _kernels():
 
 
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`: the
-# kernels under jattn's kernel VJP (sinks after the forward, score_mod's arrays by blockwise)
-run = kernel_vjp.padded_kernel_run(_kernels)
+# kernels under jattn's kernel VJP (sinks after the forward, score_mod's arrays by blockwise);
+# the forward gives out in the caller's layout
+run = kernel_vjp.padded_kernel_run(_kernels, out_in_layout=True)
 
 
 def _fast():

@@ -36,10 +36,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
-from jattn._src.kernels import tile_mods
-from jattn._src.kernels.kernel_inputs import TileMods, flat, from_tiles, pad_to, to_tiles
+from jattn._src.kernels import layout_specs, tile_mods
+from jattn._src.kernels.kernel_inputs import (TILES, Letters, TileMods, at, flat, from_tiles,
+                                              letters, pad_to, tma_in_place, to_tiles)
 from jattn._src.kernels.kernel_plan import round_up
-from jattn._src.kernels.kernel_vjp import batched, with_batch
+from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 from jattn._src.kernels.tile_classes import both, tile_classes, tile_keep
 from jattn._src.masks.closed_form_blocks import EMPTY, FULL
 
@@ -231,18 +232,41 @@ def _logits(p: Plan, side: _Side, b, n, i, j, s, slot, *, transposed: bool, full
   FULL (causal, window and mask_mod hide nothing: only lengths, segments, padding).
   slot: the pipeline slot holding the other side's rows.
   """
-  tm, tile = side.tm, s.shape
+  s, d_score = scored(p, side, b, n, i, j, s, transposed=transposed)
+  s, keep = masked(p, side, b, n, i, j, s, slot, transposed=transposed, full=full)
+  return s, keep, d_score
+
+
+def _positions(p: Plan, i, j, tile, transposed: bool):
+  """(t, s) int32 tiles: each entry's query and key position."""
   q_axis = 1 if transposed else 0
   t_pos = plgpu.broadcasted_iota(jnp.int32, tile, q_axis, layout=_WGMMA) + i * p.block_q
   s_pos = plgpu.broadcasted_iota(jnp.int32, tile, 1 - q_axis, layout=_WGMMA) + j * p.block_kv
-  d_score = lambda ds: ds
-  if tm.score_jaxpr is not None:
-    def score(x):
-      y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, side.reader("score", tm.score_meta),
-                             [x, b, n, t_pos, s_pos], tile, positions={3: "t", 4: "s"})[0]
-      return jnp.broadcast_to(y, tile).astype(jnp.float32)
-    s, vjp = jax.vjp(score, s)
-    d_score = lambda ds: _without_add_any(lambda ds: vjp(ds)[0], ds)
+  return t_pos, s_pos
+
+
+def scored(p: Plan, side: _Side, b, n, i, j, s, *, transposed: bool):
+  """score_mod on a tile of scaled scores -> (logits float32, d_score: the cotangent of
+  the logits -> that of s); without a score_mod, s and the identity."""
+  tm, tile = side.tm, s.shape
+  if tm.score_jaxpr is None:
+    return s, lambda ds: ds
+  t_pos, s_pos = _positions(p, i, j, tile, transposed)
+
+  def score(x):
+    y = tile_mods.evaluate(tm.score_jaxpr, tm.score_meta, side.reader("score", tm.score_meta),
+                           [x, b, n, t_pos, s_pos], tile, positions={3: "t", 4: "s"})[0]
+    return jnp.broadcast_to(y, tile).astype(jnp.float32)
+
+  s, vjp = jax.vjp(score, s)
+  return s, lambda ds: _without_add_any(lambda ds: vjp(ds)[0], ds)
+
+
+def masked(p: Plan, side: _Side, b, n, i, j, s, slot, *, transposed: bool, full: bool):
+  """Every mask on a tile of logits -> (logits, LARGE_NEGATIVE where masked; keep bool
+  or None)."""
+  tm, tile = side.tm, s.shape
+  t_pos, s_pos = _positions(p, i, j, tile, transposed)
   keep = tile_keep(p, t_pos, s_pos, t_pos, s_pos, full)
   if p.q_lengths:
     keep = both(keep, t_pos < side.scalar("q_len", b))
@@ -261,7 +285,7 @@ def _logits(p: Plan, side: _Side, b, n, i, j, s, slot, *, transposed: bool, full
     keep = both(keep, jnp.broadcast_to(mm, tile))
   if keep is not None:
     s = jnp.where(keep, s, LARGE_NEGATIVE)
-  return s, keep, d_score
+  return s, keep
 
 
 def _without_add_any(fn, *args):
@@ -323,7 +347,7 @@ def _pipelined(count, fetch, wait, body, carry):
   return lax.fori_loop(0, count, step, carry)
 
 
-def _kv_tiles(side, smem, k_ref, v_ref, b, h, bk):
+def _kv_tiles(side, smem, k_ref, v_ref, b, h, bk, L: Letters):
   """(fetch, wait) for `_pipelined` over a query tile's kv tiles (forward and dq kernels):
   the k, v tile of kv head h and the key-side side inputs into slot 0 or 1 of SMEM."""
   other = side.other_rows()
@@ -332,8 +356,10 @@ def _kv_tiles(side, smem, k_ref, v_ref, b, h, bk):
   def fetch(k, slot):
     j = side.step(k)[0]
     rows = pl.ds(j * bk, bk)
-    plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], smem["k"].at[slot], bars.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], smem["v"].at[slot], bars.at[2 + slot])
+    plgpu.copy_gmem_to_smem(at(k_ref, L.k, B=b, K=h, S=rows), smem["k"].at[slot],
+                            bars.at[slot])
+    plgpu.copy_gmem_to_smem(at(v_ref, L.v, B=b, K=h, S=rows), smem["v"].at[slot],
+                            bars.at[2 + slot])
     if other is not None:
       plgpu.copy_gmem_to_smem(other[0].at[:, rows], other[1].at[slot], bars.at[4 + slot])
 
@@ -375,9 +401,15 @@ def _prepare(p: Plan, modifiers):
 
 
 def forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """-> (out [B, N, Tp, E] in the value's dtype, lse float32 [B, N, Tp], max logits
-  float32 [B, N, Tp] when `p.max_logits`, else None); no sinks."""
-  q, k, v = to_tiles(p, layout, query, key, value)
+  """-> (out in the batched layout's out order [.., T, .., D], the value's dtype; lse
+  float32 [B, N, Tp]; max logits float32 [B, N, Tp] when `p.max_logits`, else None); no
+  sinks. q, k, v are read and out written where they lie when `tma_in_place`, else
+  through zero-padded [B, heads, tokens, E] copies (`to_tiles`)."""
+  in_place = tma_in_place(p, layout)
+  if in_place:
+    L, (q, k, v) = letters(layout), (with_batch(x, layout) for x in (query, key, value))
+  else:
+    L, (q, k, v) = TILES, to_tiles(p, layout, query, key, value)
   tm, where, arrays = _prepare(p, modifiers)
   bq, bk, E, dtype = p.block_q, p.block_kv, p.H_padded, q.dtype
   scratch = dict(q=_tile_smem((bq, E), dtype), k=_tile_smem((2, bk, E), dtype),
@@ -386,27 +418,32 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
                  kv_bars=plgpu.Barrier(num_barriers=6),
                  **_side_scratch(p, where, arrays, "t", "s"))
   rows = jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)
-  out_type = (jax.ShapeDtypeStruct((p.B, p.N, p.T_padded, E), dtype), rows)
+  o_shape = layout_specs.shape(L.o, dict(B=p.B, N=p.N, T=p.T_padded, D=E))
+  out_type = (jax.ShapeDtypeStruct(o_shape, dtype), rows)
   if p.max_logits:  # the running max m, through its own SMEM row
     scratch["max"] = plgpu.SMEM((bq,), jnp.float32)
     out_type += (rows,)
-  body = functools.partial(_forward_kernel, p=p, tm=tm, where=where, arrays=arrays)
+  body = functools.partial(_forward_kernel, p=p, tm=tm, where=where, arrays=arrays, L=L)
   out, lse, *max_logits = _kernel(body, out_type, scratch, (p.T_padded // bq, p.N, p.B),
                                   ("i", "n", "b"), p, "jattn_flex_mgpu_fwd")(q, k, v, *arrays)
+  if not in_place:  # cut the padding, back to the caller's layout
+    out = jnp.einsum(f"BNTD->{batched(layout).out}", out[:, :, :p.T, :p.D])
   return out, lse, max_logits[0] if max_logits else None
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, L: Letters,
+                    **smem):
   gmem = dict(zip(where.names, refs[:len(where.names)]))
   o_ref, lse_ref, *max_ref = refs[len(where.names):]
   i, n, b = (lax.axis_index(a) for a in ("i", "n", "b"))
   h = lax.div(n, jnp.int32(p.N // p.K))
   bq, bk, E = p.block_q, p.block_kv, p.H_padded
   side = _Side(p, tm, where, gmem, smem, "t")
-  plgpu.copy_gmem_to_smem(q_ref.at[b, n, pl.ds(i * bq, bq)], smem["q"], smem["q_bar"])
+  rows = pl.ds(i * bq, bq)
+  plgpu.copy_gmem_to_smem(at(q_ref, L.q, B=b, N=n, T=rows), smem["q"], smem["q_bar"])
   side.start(*_bc_nc(p, where, arrays, b, n), i)
   plgpu.barrier_wait(smem["q_bar"])
-  fetch, wait = _kv_tiles(side, smem, k_ref, v_ref, b, h, bk)
+  fetch, wait = _kv_tiles(side, smem, k_ref, v_ref, b, h, bk, L)
 
   def body(k, slot, carry):
     acc, m, l = carry
@@ -438,10 +475,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **sm
   if max_ref:  # masked logits are LARGE_NEGATIVE: a row with none keeps it
     smem["max"][...] = m
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(smem["q"], o_ref.at[b, n, pl.ds(i * bq, bq)])
-  plgpu.copy_smem_to_gmem(smem["lse"], lse_ref.at[b, n, pl.ds(i * bq, bq)])
+  plgpu.copy_smem_to_gmem(smem["q"], at(o_ref, L.o, B=b, N=n, T=rows))
+  plgpu.copy_smem_to_gmem(smem["lse"], lse_ref.at[b, n, rows])
   if max_ref:
-    plgpu.copy_smem_to_gmem(smem["max"], max_ref[0].at[b, n, pl.ds(i * bq, bq)])
+    plgpu.copy_smem_to_gmem(smem["max"], max_ref[0].at[b, n, rows])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -451,19 +488,38 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **sm
 def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
   """-> (dq, dk, dv in the inputs' layouts and dtypes, None: score_mod's captured arrays
   get their gradients from the blockwise backward); out, d_out in the query's layout
-  (with D), lse float32 [B, N, T]."""
-  lay = batched(layout)
-  q, k, v = to_tiles(p, layout, query, key, value)
-  o = jnp.einsum(f"{lay.out}->BNTD", with_batch(out, layout)).astype(jnp.float32)
-  do = jnp.einsum(f"{lay.out}->BNTD", with_batch(d_out, layout))
-  delta = pad_to(jnp.sum(o * do.astype(jnp.float32), axis=-1), 2, p.T_padded)  # [B, N, Tp]
-  lse = pad_to(lse, 2, p.T_padded)
-  do = pad_to(pad_to(do.astype(q.dtype), 2, p.T_padded), 3, p.H_padded)
+  (with D), lse float32 [B, N, T]. Read and written where they lie when `tma_in_place`."""
+  L, q, k, v, do, lse, delta = backward_operands(p, layout, query, key, value, out, lse,
+                                                 d_out)
   tm, where, arrays = _prepare(p, modifiers)
-  dq = _dq(p, tm, where, arrays, q, k, v, do, lse, delta)
-  dk, dv = _dkv(p, tm, where, arrays, q, k, v, do, lse, delta)
-  dq, dk, dv = from_tiles(p, layout, dq, dk, dv)
-  return dq, dk, dv, None
+  dq = _dq(p, L, tm, where, arrays, q, k, v, do, lse, delta)
+  dk, dv = _dkv(p, L, tm, where, arrays, q, k, v, do, lse, delta)
+  return (*gradients_out(p, layout, L, dq, dk, dv), None)
+
+
+def backward_operands(p: Plan, layout: Layout, query, key, value, out, lse, d_out,
+                      in_place: bool | None = None):
+  """-> (Letters, q, k, v, dO, lse [B, N, Tp], delta = rowsum(out * dO) float32 [B, N,
+  Tp]): q, k, v, dO where they lie when in_place (default: `tma_in_place`), else
+  zero-padded tiles."""
+  lay = batched(layout)
+  o, do = with_batch(out, layout), with_batch(d_out, layout)
+  rowsum = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=lay.out.index("D"))
+  delta = pad_to(jnp.einsum(f"{lay.out.replace('D', '')}->BNT", rowsum), 2, p.T_padded)
+  lse = pad_to(lse, 2, p.T_padded)
+  if tma_in_place(p, layout) if in_place is None else in_place:
+    q, k, v = (with_batch(x, layout) for x in (query, key, value))
+    return letters(layout), q, k, v, do.astype(q.dtype), lse, delta
+  q, k, v = to_tiles(p, layout, query, key, value)
+  do = jnp.einsum(f"{lay.out}->BNTD", do).astype(q.dtype)
+  return TILES, q, k, v, pad_to(pad_to(do, 2, p.T_padded), 3, p.H_padded), lse, delta
+
+
+def gradients_out(p: Plan, layout: Layout, L: Letters, dq, dk, dv):
+  """The kernels' dq, dk, dv (in `L`'s letters) -> the caller's layouts, unpadded."""
+  if L is TILES:
+    return from_tiles(p, layout, dq, dk, dv)
+  return tuple(without_batch(x, layout) for x in (dq, dk, dv))
 
 
 def _tile_grads(p, side, b, n, i, j, s, dp, lse, delta, slot, transposed, full):
@@ -477,8 +533,8 @@ def _tile_grads(p, side, b, n, i, j, s, dp, lse, delta, slot, transposed, full):
   return probs, d_score(probs * (dp - stat(delta))) * p.scale
 
 
-def _dq(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
-  """dq [B, N, Tp, E] (q's dtype): a program per query tile, over its kv tiles."""
+def _dq(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
+  """dq (q's letters, shape and dtype): a program per query tile, over its kv tiles."""
   bq, bk, E, dtype = p.block_q, p.block_kv, p.H_padded, q.dtype
   scratch = dict(q=_tile_smem((bq, E), dtype), do=_tile_smem((bq, E), dtype),
                  k=_tile_smem((2, bk, E), dtype), v=_tile_smem((2, bk, E), dtype),
@@ -486,14 +542,14 @@ def _dq(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
                  delta=plgpu.SMEM((bq,), jnp.float32), own_bars=plgpu.Barrier(num_barriers=4),
                  kv_bars=plgpu.Barrier(num_barriers=6),
                  **_side_scratch(p, where, arrays, "t", "s"))
-  body = functools.partial(_dq_kernel, p=p, tm=tm, where=where, arrays=arrays)
+  body = functools.partial(_dq_kernel, p=p, tm=tm, where=where, arrays=arrays, L=L)
   return _kernel(body, jax.ShapeDtypeStruct(q.shape, dtype), scratch,
                  (p.T_padded // bq, p.N, p.B), ("i", "n", "b"), p, "jattn_flex_mgpu_dq")(
                      q, k, v, do, lse, delta, *arrays)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
-               arrays, **smem):
+               arrays, L: Letters, **smem):
   gmem = dict(zip(where.names, refs[:len(where.names)]))
   dq_ref = refs[len(where.names)]
   i, n, b = (lax.axis_index(a) for a in ("i", "n", "b"))
@@ -501,7 +557,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
   bq, bk, E = p.block_q, p.block_kv, p.H_padded
   side = _Side(p, tm, where, gmem, smem, "t")
   rows, own = pl.ds(i * bq, bq), smem["own_bars"]
-  for k, (src, name) in enumerate(((q_ref.at[b, n, rows], "q"), (do_ref.at[b, n, rows], "do"),
+  for k, (src, name) in enumerate(((at(q_ref, L.q, B=b, N=n, T=rows), "q"),
+                                   (at(do_ref, L.o, B=b, N=n, T=rows), "do"),
                                    (lse_ref.at[b, n, rows], "lse"),
                                    (delta_ref.at[b, n, rows], "delta"))):
     plgpu.copy_gmem_to_smem(src, smem[name], own.at[k])
@@ -510,7 +567,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
     plgpu.barrier_wait(own.at[k])
   lse = compat.mgpu_load(smem["lse"], _WGMMA.reduce(1))
   delta = compat.mgpu_load(smem["delta"], _WGMMA.reduce(1))
-  fetch, wait = _kv_tiles(side, smem, k_ref, v_ref, b, h, bk)
+  fetch, wait = _kv_tiles(side, smem, k_ref, v_ref, b, h, bk, L)
 
   def body(k, slot, dq):
     j, full = side.step(k)
@@ -526,13 +583,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
                   plgpu.layout_cast(jnp.zeros((bq, E), jnp.float32), _WGMMA))
   smem["q"][...] = dq.astype(dq_ref.dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(smem["q"], dq_ref.at[b, n, rows])
+  plgpu.copy_smem_to_gmem(smem["q"], at(dq_ref, L.q, B=b, N=n, T=rows))
   plgpu.wait_smem_to_gmem(0)
 
 
-def _dkv(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
-  """(dk, dv) [B, K, Sp, E] (k's dtype): a program per kv tile of kv head h, over the G
-  query heads of h and their non-EMPTY query tiles, summed in registers (no atomics)."""
+def _dkv(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
+  """(dk, dv) in k's and v's letters and shapes (k's dtype): a program per kv tile of kv
+  head h, over the G query heads of h and their non-EMPTY query tiles, summed in
+  registers (no atomics)."""
   bq, bk, E, dtype = p.block_q, p.block_kv, p.H_padded, q.dtype
   scratch = dict(k=_tile_smem((bk, E), dtype), v=_tile_smem((bk, E), dtype),
                  q=_tile_smem((2, bq, E), dtype), do=_tile_smem((2, bq, E), dtype),
@@ -541,22 +599,22 @@ def _dkv(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
                  own_bars=plgpu.Barrier(num_barriers=2),
                  q_bars=plgpu.Barrier(num_barriers=10),
                  **_side_scratch(p, where, arrays, "s", "t"))
-  body = functools.partial(_dkv_kernel, p=p, tm=tm, where=where, arrays=arrays)
-  shape = jax.ShapeDtypeStruct(k.shape, dtype)
-  return _kernel(body, (shape, shape), scratch, (p.S_padded // bk, p.K, p.B),
+  body = functools.partial(_dkv_kernel, p=p, tm=tm, where=where, arrays=arrays, L=L)
+  shapes = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
+  return _kernel(body, shapes, scratch, (p.S_padded // bk, p.K, p.B),
                  ("j", "h", "b"), p, "jattn_flex_mgpu_dkv")(q, k, v, do, lse, delta, *arrays)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
-                arrays, **smem):
+                arrays, L: Letters, **smem):
   gmem = dict(zip(where.names, refs[:len(where.names)]))
   dk_ref, dv_ref = refs[len(where.names):]
   j, h, b = (lax.axis_index(a) for a in ("j", "h", "b"))
   G, bq, bk, E = p.N // p.K, p.block_q, p.block_kv, p.H_padded
   side = _Side(p, tm, where, gmem, smem, "s")
   rows, own = pl.ds(j * bk, bk), smem["own_bars"]
-  plgpu.copy_gmem_to_smem(k_ref.at[b, h, rows], smem["k"], own.at[0])
-  plgpu.copy_gmem_to_smem(v_ref.at[b, h, rows], smem["v"], own.at[1])
+  plgpu.copy_gmem_to_smem(at(k_ref, L.k, B=b, K=h, S=rows), smem["k"], own.at[0])
+  plgpu.copy_gmem_to_smem(at(v_ref, L.v, B=b, K=h, S=rows), smem["v"], own.at[1])
   other = side.other_rows()
   bars = smem["q_bars"]
 
@@ -567,9 +625,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
     def fetch(k, slot):
       i = side.step(k)[0]
       q_rows = pl.ds(i * bq, bq)
-      for x, (src, name) in enumerate(((q_ref, "q"), (do_ref, "do"), (lse_ref, "lse"),
-                                       (delta_ref, "delta"))):
-        plgpu.copy_gmem_to_smem(src.at[b, n, q_rows], smem[name].at[slot],
+      for x, (src, axes, name) in enumerate(((q_ref, L.q, "q"), (do_ref, L.o, "do"),
+                                             (lse_ref, "BNT", "lse"),
+                                             (delta_ref, "BNT", "delta"))):
+        plgpu.copy_gmem_to_smem(at(src, axes, B=b, N=n, T=q_rows), smem[name].at[slot],
                                 bars.at[2 * x + slot])
       if other is not None:
         plgpu.copy_gmem_to_smem(other[0].at[:, q_rows], other[1].at[slot], bars.at[8 + slot])
@@ -603,6 +662,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
   smem["k"][...] = dk.astype(dk_ref.dtype)
   smem["v"][...] = dv.astype(dv_ref.dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(smem["k"], dk_ref.at[b, h, rows])
-  plgpu.copy_smem_to_gmem(smem["v"], dv_ref.at[b, h, rows])
+  plgpu.copy_smem_to_gmem(smem["k"], at(dk_ref, L.k, B=b, K=h, S=rows))
+  plgpu.copy_smem_to_gmem(smem["v"], at(dv_ref, L.v, B=b, K=h, S=rows))
   plgpu.wait_smem_to_gmem(0)

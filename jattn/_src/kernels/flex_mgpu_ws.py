@@ -19,8 +19,9 @@ A program (one thread block, grid (T' / 128, N, B)) has three warpgroups:
 
 Both consumers visit the same kv tiles: the non-EMPTY tiles of the 128-row span (the
 block classes at tiles of 128 x bk); a FULL tile runs without the mask functions.
-q, k, v are read in [B, T, N, E] order by strided TMA boxes (for the default "BTNH"
-layout with aligned T and E no transpose pass), the output written likewise.
+q, k, v (and the backward's dO) are read and out (dq, dk, dv) written in the caller's
+layout by strided TMA boxes where `kernel_inputs.tma_in_place` holds (T, S whole tiles,
+H = D = E, features last): no transpose or pad pass; else through `to_tiles` copies.
 The backward is the reference kernels' (`flex_mgpu_kernels.backward`, 64 x 64 tiles), or
 inside `flex_mgpu.ws_dq()` / `ws_dkv()` the warp-specialised `_dq` / `_dkv` below.
 
@@ -48,7 +49,9 @@ from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import flex_mgpu_kernels as ref
-from jattn._src.kernels.kernel_inputs import from_tiles, pad_to, to_tiles
+from jattn._src.kernels import layout_specs
+from jattn._src.kernels.kernel_inputs import (TILES, Letters, at, letters, pad_to,
+                                              tma_in_place, to_tiles)
 from jattn._src.kernels.kernel_vjp import batched, with_batch, without_batch
 
 if TYPE_CHECKING:
@@ -63,6 +66,11 @@ _WGMMA = plgpu.Layout.WGMMA
 # registers per thread after setmaxnreg: 2 x 232 + 40 (x 128 threads) <= 64K
 _CONSUMER_REGISTERS = 232
 _PRODUCER_REGISTERS = 40
+# the dk/dv consumers hold two [64, E] float32 accumulators (dK, dV: 128 registers at
+# E = 128) beside a tile's S, P, dP: 240 / 24 (FlashAttention-3's split) keeps ptxas from
+# spilling where 232 / 40 spilled 28 to 48 bytes (benchmarks/gpu_static.py, H100 target)
+_DKV_CONSUMER_REGISTERS = 240
+_DKV_PRODUCER_REGISTERS = 24
 
 
 def _launch(p: Plan, body, out_type, scratch, grid, names, kernel_name):
@@ -99,15 +107,16 @@ def _mma_from_registers(p: Plan, acc, a, b, smem, spill_at):
 
 
 def forward(p: Plan, layout: Layout, query, key, value, modifiers):
-  """-> (out in `layout`, lse float32 [B, N, T], max logits float32 [B, N, T] or None)."""
+  """-> (out in `layout`, lse float32 [B, N, T], max logits float32 [B, N, T] or None).
+  q, k, v are read and out written where they lie when `tma_in_place` (T a multiple of
+  128, S of the kv tile, H = D = E, features last), else through `to_tiles` copies."""
   lay = batched(layout)
   E, dtype = p.H_padded, query.dtype
-  q = jnp.einsum(f"{lay.query}->BTNH", with_batch(query, layout))
-  k = jnp.einsum(f"{lay.key}->BSKH", with_batch(key, layout))
-  v = jnp.einsum(f"{lay.value}->BSKD", with_batch(value, layout))
-  q = pad_to(pad_to(q, 1, p.T_padded), 3, E)
-  k = pad_to(pad_to(k, 1, p.S_padded), 3, E)
-  v = pad_to(pad_to(v, 1, p.S_padded), 3, E)
+  in_place = tma_in_place(p, layout)
+  if in_place:
+    L, (q, k, v) = letters(layout), (with_batch(x, layout) for x in (query, key, value))
+  else:
+    L, (q, k, v) = TILES, to_tiles(p, layout, query, key, value)
   tm, where, arrays = ref._prepare(p, modifiers)
   keep = [name != "q_table" for name in where.names]  # the dk/dv kernel's table
   where = dataclasses.replace(where, names=tuple(n for n, x in zip(where.names, keep) if x))
@@ -124,17 +133,19 @@ def forward(p: Plan, layout: Layout, query, key, value, modifiers):
       schedule=plgpu.Barrier(num_arrivals=_CONSUMERS),
       **_side_scratch(where, arrays, bk))
   rows = jax.ShapeDtypeStruct((p.B, p.N, p.T_padded), jnp.float32)
-  out_type = (jax.ShapeDtypeStruct((p.B, p.T_padded, p.N, E), dtype), rows)
+  o_shape = layout_specs.shape(L.o, dict(B=p.B, T=p.T_padded, N=p.N, D=E))
+  out_type = (jax.ShapeDtypeStruct(o_shape, dtype), rows)
   if p.max_logits:
     scratch["max"] = plgpu.SMEM((_CONSUMERS, _BQ), jnp.float32)
     out_type += (rows,)
-  body = functools.partial(_kernel, p=p, tm=tm, where=where, arrays=arrays)
+  body = functools.partial(_kernel, p=p, tm=tm, where=where, arrays=arrays, L=L)
   if p.interpret:  # P through SMEM (`_mma_from_registers`)
     scratch["spill"] = ref._tile_smem((_CONSUMERS, _BQ, p.block_kv), dtype)
   out, lse, *max_logits = _launch(
       p, body, out_type, scratch, (p.T_padded // p.block_q, p.N, p.B), ("i", "n", "b"),
       "jattn_flex_mgpu_ws_fwd")(q, k, v, *arrays)
-  out = jnp.einsum(f"BTND->{lay.out}", out[:, :p.T, :, :p.D])
+  if not in_place:  # cut the padding, back to the caller's layout
+    out = jnp.einsum(f"BNTD->{lay.out}", out[:, :, :p.T, :p.D])
   max_logits = max_logits[0][:, :, :p.T] if max_logits else None
   return without_batch(out, layout), lse[:, :, :p.T], max_logits
 
@@ -145,13 +156,13 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
   slow = dataclasses.replace(p, fast=False, block_q=_BQ, block_kv=_BQ)
   if not (p.fast_dq or p.fast_dkv):
     return ref.backward(slow, layout, query, key, value, modifiers, out, lse, d_out)
-  lay = batched(layout)
-  q, k, v = to_tiles(slow, layout, query, key, value)  # [B, N|K, T'|S', E], 64-multiples
-  o = jnp.einsum(f"{lay.out}->BNTD", with_batch(out, layout)).astype(jnp.float32)
-  do = jnp.einsum(f"{lay.out}->BNTD", with_batch(d_out, layout))
-  delta = jnp.sum(o * do.astype(jnp.float32), axis=-1)  # [B, N, T]
-  do = pad_to(do.astype(q.dtype), 3, p.H_padded)
-  rows = lambda x, plan: pad_to(x, 2, plan.T_padded)
+  # in place when the fast kernels' 128-row / 128-key programs tile T and S; else every
+  # kernel reads zero-padded [B, heads, tokens, E] tiles (64-multiples; 128 for the fast)
+  whole = dataclasses.replace(p, block_q=_CONSUMERS * _BQ, block_kv=_CONSUMERS * _BQ)
+  L, q, k, v, do, lse, delta = ref.backward_operands(
+      slow, layout, query, key, value, out, lse, d_out, in_place=tma_in_place(whole, layout))
+  tiles = L is TILES
+  rows = lambda x, plan: pad_to(x, 2, plan.T_padded) if tiles else x  # [B, N, T, ..]
 
   def prepared(plan, drop):
     tm, where, arrays = ref._prepare(plan, modifiers)
@@ -160,27 +171,23 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
     return tm, where, [a for a, x in zip(arrays, keep) if x]
 
   if p.fast_dq:  # 128-row programs, 64-key tiles
-    fast = dataclasses.replace(p, block_kv=_BQ)
-    dq = _dq(fast, *prepared(fast, "q_table"), rows(q, fast), k, v, rows(do, fast),
-             rows(lse, fast), rows(delta, fast))
+    fast = dataclasses.replace(p, block_q=_CONSUMERS * _BQ, block_kv=_BQ)
+    dq = _dq(fast, L, *prepared(fast, "q_table"), rows(q, fast), k, v, rows(do, fast),
+             pad_to(lse, 2, fast.T_padded), pad_to(delta, 2, fast.T_padded))
   else:
-    dq = ref._dq(slow, *ref._prepare(slow, modifiers), q, k, v, rows(do, slow),
-                 rows(lse, slow), rows(delta, slow))
-  if p.fast_dkv:  # 64-row query tiles, 128-key programs
-    fast = dataclasses.replace(p, block_q=_BQ)
-    pad = lambda x: pad_to(x, 2, fast.S_padded)
-    dk, dv = _dkv(fast, *prepared(fast, "kv_table"), q, pad(k), pad(v), rows(do, slow),
-                  rows(lse, slow), rows(delta, slow))
+    dq = ref._dq(slow, L, *ref._prepare(slow, modifiers), q, k, v, do, lse, delta)
+  if p.fast_dkv:  # 64-row query tiles, 128-key programs (whatever the forward's kv tile)
+    fast = dataclasses.replace(p, block_q=_BQ, block_kv=_CONSUMERS * _BQ)
+    keys = lambda x: pad_to(x, 2, fast.S_padded) if tiles else x  # [B, K, S, ..]
+    dk, dv = _dkv(fast, L, *prepared(fast, "kv_table"), q, keys(k), keys(v), do, lse, delta)
   else:
-    dk, dv = ref._dkv(slow, *ref._prepare(slow, modifiers), q, k, v, rows(do, slow),
-                      rows(lse, slow), rows(delta, slow))
-  dq, dk, dv = from_tiles(p, layout, dq, dk, dv)
-  return dq, dk, dv, None
+    dk, dv = ref._dkv(slow, L, *ref._prepare(slow, modifiers), q, k, v, do, lse, delta)
+  return (*ref.gradients_out(p, layout, L, dq, dk, dv), None)
 
 
-def _dq(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
-  """dq [B, N, T', E] (q's dtype) by the warp-specialised kernel: a program per 128 query
-  rows (two consumers of 64), the producer streaming K, V tiles of 64 keys."""
+def _dq(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
+  """dq (q's letters, shape and dtype) by the warp-specialised kernel: a program per 128
+  query rows (two consumers of 64), the producer streaming K, V tiles of 64 keys."""
   E, dtype, bk = p.H_padded, q.dtype, p.block_kv
   scratch = dict(
       q=ref._tile_smem((_CONSUMERS, _BQ, E), dtype), do=ref._tile_smem((_CONSUMERS, _BQ, E), dtype),
@@ -192,7 +199,7 @@ def _dq(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
       k_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
       v_free=plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=_STAGES),
       **_side_scratch(where, arrays, bk))
-  body = functools.partial(_dq_kernel, p=p, tm=tm, where=where, arrays=arrays)
+  body = functools.partial(_dq_kernel, p=p, tm=tm, where=where, arrays=arrays, L=L)
   if p.interpret:  # dS through SMEM (`_mma_from_registers`)
     scratch["spill"] = ref._tile_smem((_CONSUMERS, _BQ, bk), dtype)
   return _launch(p, body, jax.ShapeDtypeStruct(q.shape, dtype), scratch,
@@ -201,8 +208,9 @@ def _dq(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
-               arrays, **smem):
-  kv_at = lambda x, b, h, rows: (k_ref if x == "k" else v_ref).at[b, h, rows]
+               arrays, L: Letters, **smem):
+  kv_at = lambda x, b, h, rows: (at(k_ref, L.k, B=b, K=h, S=rows) if x == "k"
+                                 else at(v_ref, L.v, B=b, K=h, S=rows))
   gmem, outs, (i, n, b, wg), side, wait_side, count = _program(
       p, tm, where, arrays, refs, smem, kv_at)
   (dq_ref,) = outs
@@ -213,9 +221,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
     _set_registers(p, _CONSUMER_REGISTERS, "increase")
     rows = pl.ds(i * p.block_q + wg * _BQ, _BQ)
     bars = smem["own_bars"]
-    for x, (src, name) in enumerate(((q_ref, "q"), (do_ref, "do"), (lse_ref, "lse"),
-                                     (delta_ref, "delta"))):
-      plgpu.copy_gmem_to_smem(src.at[b, n, rows], smem[name].at[wg],
+    for x, (src, axes, name) in enumerate(((q_ref, L.q, "q"), (do_ref, L.o, "do"),
+                                           (lse_ref, "BNT", "lse"),
+                                           (delta_ref, "BNT", "delta"))):
+      plgpu.copy_gmem_to_smem(at(src, axes, B=b, N=n, T=rows), smem[name].at[wg],
                               bars.at[x * _CONSUMERS + wg])
     wait_side()
     for x in range(4):
@@ -255,7 +264,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
                        plgpu.layout_cast(jnp.zeros((_BQ, E), jnp.float32), _WGMMA))
     q_s[...] = dq.astype(q_s.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_s, dq_ref.at[b, n, rows])
+    plgpu.copy_smem_to_gmem(q_s, at(dq_ref, L.q, B=b, N=n, T=rows))
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -330,8 +339,9 @@ def _consumer_side(p, tm, where, gmem, smem, wg):
   return ref._Side(p, tm, where, gmem, mine, "t")
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
-  kv_at = lambda x, b, h, rows: (k_ref if x == "k" else v_ref).at[b, rows, h]
+def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, L: Letters, **smem):
+  kv_at = lambda x, b, h, rows: (at(k_ref, L.k, B=b, K=h, S=rows) if x == "k"
+                                 else at(v_ref, L.v, B=b, K=h, S=rows))
   gmem, outs, (i, n, b, wg), side, wait_side, count = _program(
       p, tm, where, arrays, refs, smem, kv_at)
   o_ref, lse_ref, *max_ref = outs
@@ -341,7 +351,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
     _set_registers(p, _CONSUMER_REGISTERS, "increase")
     row0 = i * p.block_q + wg * _BQ
     qo = smem["qo"].at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, _BQ), n], qo, smem["q_bars"].at[wg])
+    rows = pl.ds(row0, _BQ)
+    plgpu.copy_gmem_to_smem(at(q_ref, L.q, B=b, N=n, T=rows), qo, smem["q_bars"].at[wg])
     wait_side()
     plgpu.barrier_wait(smem["q_bars"].at[wg])
     side_c = _consumer_side(p, tm, where, gmem, smem, wg)
@@ -355,10 +366,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, **smem):
     if max_ref:  # a row with no visible key keeps LARGE_NEGATIVE
       smem["max"].at[wg][...] = jnp.where(m > LARGE_NEGATIVE, _LN2 * m, LARGE_NEGATIVE)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(qo, o_ref.at[b, pl.ds(row0, _BQ), n])
-    plgpu.copy_smem_to_gmem(smem["lse"].at[wg], lse_ref.at[b, n, pl.ds(row0, _BQ)])
+    plgpu.copy_smem_to_gmem(qo, at(o_ref, L.o, B=b, N=n, T=rows))
+    plgpu.copy_smem_to_gmem(smem["lse"].at[wg], lse_ref.at[b, n, rows])
     if max_ref:
-      plgpu.copy_smem_to_gmem(smem["max"].at[wg], max_ref[0].at[b, n, pl.ds(row0, _BQ)])
+      plgpu.copy_smem_to_gmem(smem["max"].at[wg], max_ref[0].at[b, n, rows])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -461,11 +472,20 @@ def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
 # ---------------------------------------------------------------- dk, dv
 
 
-def _dkv(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
-  """(dk, dv) [B, K, S', E] (k's dtype) by the warp-specialised kernel: a program per 128
-  keys of kv head h (two consumers of 64), the producer streaming, for each of the G query
-  heads of h, its non-EMPTY 64-row query tiles (q, dO, lse, delta and the query-side rows)
-  through the stage ring; dV += P^T dO and dK += dS^T q with P^T, dS^T from registers.
+def _probs_t(p: Plan, side, b, n, i, j, s, lse, slot, full):
+  """P^T [keys, queries] float32 from the logits S^T (score_mod applied), masked entries
+  0 (`flex_mgpu_kernels._tile_grads`' first half)."""
+  s, keep = ref.masked(p, side, b, n, i, j, s, slot, transposed=True, full=full)
+  probs = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [1]))
+  return probs if keep is None else jnp.where(keep, probs, 0.0)
+
+
+def _dkv(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
+  """(dk, dv) in k's and v's letters and shapes (k's dtype) by the warp-specialised
+  kernel: a program per 128 keys of kv head h (two consumers of 64), the producer
+  streaming, for each of the G query heads of h, its non-EMPTY 64-row query tiles (q, dO,
+  lse, delta and the query-side rows) through the stage ring; dV += P^T dO and dK += dS^T
+  q with P^T, dS^T from registers.
   p: block_q 64 (query tiles), block_kv 128 (the program's keys)."""
   E, dtype, bq, G = p.H_padded, q.dtype, p.block_q, p.N // p.K
   shapes = dict(zip(where.names, (a.shape for a in arrays)))
@@ -487,16 +507,16 @@ def _dkv(p: Plan, tm, where, arrays, q, k, v, do, lse, delta):
     scratch["kv_rows"] = plgpu.SMEM((_CONSUMERS, shapes["kv_rows"][0], _BQ), jnp.int32)
   if "q_rows" in shapes:
     scratch["q_rows"] = plgpu.SMEM((_STAGES, shapes["q_rows"][0], bq), jnp.int32)
-  body = functools.partial(_dkv_kernel, p=p, tm=tm, where=where, Gt=Gt)
-  shape = jax.ShapeDtypeStruct(k.shape, dtype)
+  body = functools.partial(_dkv_kernel, p=p, tm=tm, where=where, Gt=Gt, L=L)
+  shapes = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
   if p.interpret:  # P^T and dS^T through SMEM (`_mma_from_registers`)
     scratch["spill"] = ref._tile_smem((_CONSUMERS, 2, _BQ, bq), dtype)
-  return _launch(p, body, (shape, shape), scratch, (p.S_padded // p.block_kv, p.K, p.B),
+  return _launch(p, body, shapes, scratch, (p.S_padded // p.block_kv, p.K, p.B),
                  ("j", "h", "b"), "jattn_flex_mgpu_ws_dkv")(q, k, v, do, lse, delta, *arrays)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm, where,
-                Gt, **smem):
+                Gt, L: Letters, **smem):
   gmem = dict(zip(where.names, refs[:len(where.names)]))
   dk_ref, dv_ref = refs[len(where.names):]
   j = (p.S_padded // p.block_kv - 1) - lax.axis_index("j")  # heaviest first (causal)
@@ -532,7 +552,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
 
   @pl.when(wg == _CONSUMERS)
   def _producer():
-    _set_registers(p, _PRODUCER_REGISTERS, "decrease")
+    _set_registers(p, _DKV_PRODUCER_REGISTERS, "decrease")
     for x, (src, dst) in enumerate(copies):
       plgpu.copy_gmem_to_smem(src, dst, side_bars.at[x])
     wait_side()
@@ -549,9 +569,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
           plgpu.barrier_wait(smem["free"].at[slot])
 
         rows = pl.ds(side.step(kk)[0] * bq, bq)
-        for x, (src, name) in enumerate(((q_ref, "q"), (do_ref, "do"), (lse_ref, "lse"),
-                                         (delta_ref, "delta"))):
-          plgpu.copy_gmem_to_smem(src.at[b, n, rows], smem[name].at[slot],
+        for x, (src, axes, name) in enumerate(((q_ref, L.q, "q"), (do_ref, L.o, "do"),
+                                               (lse_ref, "BNT", "lse"),
+                                               (delta_ref, "BNT", "delta"))):
+          plgpu.copy_gmem_to_smem(at(src, axes, B=b, N=n, T=rows), smem[name].at[slot],
                                   bars.at[x * _STAGES + slot])
         if "q_rows" in gmem:
           plgpu.copy_gmem_to_smem(gmem["q_rows"].at[:, rows], smem["q_rows"].at[slot],
@@ -566,11 +587,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
 
   @pl.when(wg < _CONSUMERS)
   def _consumer():
-    _set_registers(p, _CONSUMER_REGISTERS, "increase")
+    _set_registers(p, _DKV_CONSUMER_REGISTERS, "increase")
     keys = pl.ds(j * p.block_kv + wg * _BQ, _BQ)
     k_s, v_s = smem["k"].at[wg], smem["v"].at[wg]
-    plgpu.copy_gmem_to_smem(k_ref.at[b, h, keys], k_s, smem["own_bars"].at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[b, h, keys], v_s, smem["own_bars"].at[_CONSUMERS + wg])
+    plgpu.copy_gmem_to_smem(at(k_ref, L.k, B=b, K=h, S=keys), k_s, smem["own_bars"].at[wg])
+    plgpu.copy_gmem_to_smem(at(v_ref, L.v, B=b, K=h, S=keys), v_s,
+                            smem["own_bars"].at[_CONSUMERS + wg])
     wait_side()
     plgpu.barrier_wait(smem["own_bars"].at[wg])
     plgpu.barrier_wait(smem["own_bars"].at[_CONSUMERS + wg])
@@ -590,21 +612,25 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
         for x in range(5 if "q_rows" in smem else 4):
           plgpu.barrier_wait(bars.at[x * _STAGES + slot])
 
-        def products(s_ref, dp_ref):  # [64 keys, bq queries]: k q^T and v dO^T
-          plgpu.wgmma(s_ref, k_s, smem["q"].at[slot].T)
-          plgpu.wgmma(dp_ref, v_s, smem["do"].at[slot].T)
-          return s_ref[...], dp_ref[...]
-
-        s, dp = pl.run_scoped(products, plgpu.ACC((_BQ, bq), jnp.float32),
-                              plgpu.ACC((_BQ, bq), jnp.float32))
+        # [64 keys, bq queries] tiles: S^T = k q^T, dP^T = v dO^T
+        s = ref._mma(k_s, smem["q"].at[slot].T, (_BQ, bq)) * p.scale
         lse = compat.mgpu_load(smem["lse"].at[slot], _WGMMA.reduce(0))
         delta = compat.mgpu_load(smem["delta"].at[slot], _WGMMA.reduce(0))
-        probs, ds = ref._by_class(full, lambda full: ref._tile_grads(
-            view, side, b, n, i, tile, s * p.scale, dp, lse, delta, slot, True, full))
-        probs, ds = probs.astype(k_s.dtype), ds.astype(k_s.dtype)
-
-        dv = _mma_from_registers(p, dv, probs, smem["do"].at[slot], smem, (wg, 0))  # P^T dO
-        dk = _mma_from_registers(p, dk, ds, smem["q"].at[slot], smem, (wg, 1))  # dS^T q
+        # Registers: P^T, then dV += P^T dO, then dP^T, then dS^T, so that S^T and dP^T
+        # are never live together. score_mod runs outside the FULL / PARTIAL branch (the
+        # same in both); it acts entry by entry, so its VJP is a product by its derivative
+        # g and dS = g P (dP - delta) = d_score(P) (dP - delta): g P is formed before dP
+        # and score_mod's residual dies with P's float32 copy
+        s, d_score = ref.scored(view, side, b, n, i, tile, s, transposed=True)
+        probs = ref._by_class(full, lambda full: _probs_t(view, side, b, n, i, tile, s, lse,
+                                                          slot, full))
+        weighted = d_score(probs) * p.scale
+        dv = _mma_from_registers(p, dv, probs.astype(k_s.dtype), smem["do"].at[slot], smem,
+                                 (wg, 0))  # dV += P^T dO
+        dp = ref._mma(v_s, smem["do"].at[slot].T, (_BQ, bq))
+        ds = weighted * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
+        dk = _mma_from_registers(p, dk, ds.astype(k_s.dtype), smem["q"].at[slot], smem,
+                                 (wg, 1))  # dK += dS^T q
         plgpu.barrier_arrive(smem["free"].at[slot])
         return dk, dv
 
@@ -617,6 +643,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
     k_s[...] = dk.astype(k_s.dtype)
     v_s[...] = dv.astype(v_s.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_s, dk_ref.at[b, h, keys])
-    plgpu.copy_smem_to_gmem(v_s, dv_ref.at[b, h, keys])
+    plgpu.copy_smem_to_gmem(k_s, at(dk_ref, L.k, B=b, K=h, S=keys))
+    plgpu.copy_smem_to_gmem(v_s, at(dv_ref, L.v, B=b, K=h, S=keys))
     plgpu.wait_smem_to_gmem(0)

@@ -1,0 +1,125 @@
+"""flex_mgpu_ws's three warp-specialised kernels (its forward, and the dq and dk/dv kernels
+of `flex_mgpu.ws_dq()` / `ws_dkv()`) compiled for an H100 and an H200 from this CPU, with
+issue 45 item 2's budgets read from the compilers' own output by
+`benchmarks/gpu_static.py` (`measure`, `budgets`):
+
+  * no register spills, and registers within the launch's share (64K / 384 threads);
+  * `setmaxnreg` in the PTX, its counts within the register file (consumers raised, the
+    producer lowered);
+  * a tensor-core instruction (HGMMA) in the inner loop's SASS (nvdisasm);
+  * shared memory within the card's 227 KiB.
+
+What is asserted is ptxas run here on Mosaic GPU's PTX as a whole program
+(`budgets_whole_program`: setmaxnreg honoured, as jax 0.11.2's Mosaic GPU compiled on the
+H100). jax 0.12's Mosaic GPU passes -c to its own ptxas run, which then ignores setmaxnreg
+(C7504) and fits the consumers into the launch's 168 registers: those figures are recorded
+by gpu_static.py (`budgets`) and not asserted (docs/gpu_kernel.md). A case over a budget
+that is known and reported is an xfail naming it; any other is a failure.
+
+Nothing runs: values are the interpreter's (tests/kernels/test_flex_mgpu.py) and the
+card's (tools/mgpu_fast_check.py). Marked `compile`; the default tier compiles three
+cases on the H100 and one on the H200, `thorough` every case of tests/kernels/test_gpu.py
+the fast path takes.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jattn._src import compat, deviceless_cuda
+from tests.kernels.test_gpu import CASES
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.compile,
+    pytest.mark.skipif(deviceless_cuda.missing() is not None,
+                       reason=f"no deviceless CUDA compile: {deviceless_cuda.missing()}"),
+    pytest.mark.skipif(compat.missing("pallas_mosaic_gpu_ws") is not None,
+                       reason=f"no warp-specialised Mosaic GPU API: "
+                              f"{compat.missing('pallas_mosaic_gpu_ws')}"),
+]
+
+B, T, N, K, H = 1, 256, 4, 2, 128  # grouped heads (G = 2), the fast backward's E = 128
+KERNELS = ("jattn_flex_mgpu_ws_fwd", "jattn_flex_mgpu_ws_dq", "jattn_flex_mgpu_ws_dkv")
+# (case, kernel) -> the budgets it is over, measured and reported (docs/gpu_kernel.md).
+# ws dk/dv, spilled bytes stored / loaded per thread here (T = 256): soft-cap 112 / 116,
+# ALiBi 96 / 100, mods_and_or 68 / 72, hand_written 8 / 48, mods_chunked 8 / 8 (at T =
+# 1024, benchmarks/results/gpu_static_ws_h100.json: soft-cap and ALiBi 60 / 56): with a
+# score_mod or a mask of several terms, the consumers' two accumulators, P, dP and the
+# mods' tiles exceed 240 registers
+KNOWN_OVER = {(case, "jattn_flex_mgpu_ws_dkv"): ["no_spills"]
+              for case in ("soft_cap", "alibi", "mods_and_or", "hand_written", "mods_chunked")}
+
+
+# One case's figures, in a fresh process: a kernel compiled earlier in this one (sinks'
+# kernels are causal's) comes from a cache, without the PTX and ptxas log they are read from
+_MEASURE = """
+import json, pathlib, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+import gpu_static as gs
+from tests.kernels.test_gpu import _case
+target, case, work = sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
+B, T, N, K, H = (int(x) for x in sys.argv[5:10])
+tools = {name: gs.find_tool(name, None) for name in ("ptxas", "nvdisasm")}
+if tools["ptxas"] is None:
+  sys.exit("ptxas not found (pip install nvidia-cuda-nvcc): the compile venv lacks it")
+report = gs.measure("flex_mgpu_ws", case, target=target, B=B, T=T, N=N, K=K, H=H,
+                    dtype="bfloat16", tools=tools, work=work,
+                    kwargs=_case(case, B, T, T, N)[0])
+report["nvdisasm"] = tools["nvdisasm"] is not None
+(work / "report.json").write_text(json.dumps(report))
+"""
+
+
+def check_budgets(target, case, tmp_path):
+  done = subprocess.run([sys.executable, "-c", _MEASURE, str(ROOT), target, case,
+                         str(tmp_path), *map(str, (B, T, N, K, H))],
+                        capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+  report = json.loads((tmp_path / "report.json").read_text())
+  tools = {"nvdisasm": report["nvdisasm"] or None}
+  over = {}
+  for name in KERNELS:
+    k = report["kernels"][name]
+    assert k.get("setmaxnreg", {}).get("inc") and k["setmaxnreg"]["dec"], (name, k)
+    checks = k["budgets_whole_program"]
+    if tools["nvdisasm"] is None:  # the SASS check needs nvdisasm: said, not passed
+      checks = {b: ok for b, ok in checks.items() if b != "tensor_core_in_inner_loop"}
+    missing = [b for b, ok in checks.items() if ok is None]
+    assert not missing, (name, missing, k)
+    failed = sorted(b for b, ok in checks.items() if ok is False)
+    if failed:
+      over[name] = failed
+  known = {name: sorted(KNOWN_OVER[(case, name)]) for name in KERNELS
+           if (case, name) in KNOWN_OVER}
+  if over and over == {n: b for n, b in known.items() if n in over}:
+    pytest.xfail(f"known and reported: {over}")
+  assert not over, f"over budget: {over}"
+  if tools["nvdisasm"] is None:
+    pytest.skip("budgets met except the SASS check: nvdisasm not found "
+                "(pip install nvidia-cuda-nvdisasm)")
+
+
+DEFAULT = [("h100", "causal"), ("h100", "mods_document"), ("h100", "soft_cap"),
+           ("h200", "causal")]
+# the cases flex_mgpu_ws plans (relative_bias reads a table: Mosaic GPU has no gather)
+_WS_CASES = [c for c in CASES if c != "relative_bias"]
+
+
+@pytest.mark.parametrize("target,case", DEFAULT, ids=lambda x: x)
+def test_ws_kernels_compile_within_their_budgets(target, case, tmp_path):
+  check_budgets(target, case, tmp_path)
+
+
+@pytest.mark.thorough
+@pytest.mark.parametrize("target,case", [(t, c) for t in deviceless_cuda.TARGETS
+                                         for c in _WS_CASES if (t, c) not in DEFAULT],
+                         ids=lambda x: x)
+def test_ws_kernels_compile_within_their_budgets_every_case(target, case, tmp_path):
+  check_budgets(target, case, tmp_path)
