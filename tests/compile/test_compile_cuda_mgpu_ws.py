@@ -17,9 +17,9 @@ by gpu_static.py (`budgets`) and not asserted (docs/gpu_kernel.md). A case over 
 that is known and reported is an xfail naming it; any other is a failure.
 
 Nothing runs: values are the interpreter's (tests/kernels/test_flex_mgpu.py) and the
-card's (tools/mgpu_fast_check.py). Marked `compile`; the default tier compiles three
-cases on the H100 and one on the H200, `thorough` every case of tests/kernels/test_gpu.py
-the fast path takes.
+card's (tools/mgpu_fast_check.py). Marked `compile`; the default tier compiles two
+cases on the H100 (causal, documents), `thorough` every case of tests/kernels/test_gpu.py
+the fast path takes, on both cards.
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ def check_budgets(target, case, tmp_path):
                 "(pip install nvidia-cuda-nvdisasm)")
 
 
-DEFAULT = [("h100", "causal"), ("h100", "mods_document"), ("h100", "soft_cap"),
-           ("h200", "causal")]
+# CI's share (the warp-specialised backward is opt-in: two cases; soft-cap's known dk/dv
+# spill and the H200, the same sm_90a, in the thorough tier)
+DEFAULT = [("h100", "causal"), ("h100", "mods_document")]
 # the cases flex_mgpu_ws plans (relative_bias reads a table: Mosaic GPU has no gather)
 _WS_CASES = [c for c in CASES if c != "relative_bias"]
 

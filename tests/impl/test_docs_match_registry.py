@@ -12,7 +12,8 @@ from jattn._src.impl import registry
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _LARGE = types.SimpleNamespace(dims=types.SimpleNamespace(B=8, N=32, T=8192, S=8192),
-                               mask_mod=None)
+                               mask_mod=None,
+                               structure=types.SimpleNamespace(local_window=None))
 
 
 def _kernels(platform):
