@@ -204,7 +204,7 @@ def explain_decode(query, cache, *, implementation=None, **kwargs) -> dispatch.E
     >>> q = jax.ShapeDtypeStruct((8, 1, 16, 128), jnp.float32)           # [B, T, N, H]
     >>> report = jattn.explain_decode(q, cache, is_causal=True)
     >>> report.implementation("tpu"), report.implementation("cpu")
-    ('split', 'split')
+    ('paged_tpu', 'split')
   """
   call = None
 
