@@ -40,7 +40,7 @@ from jattn._src.core.softmax import LARGE_NEGATIVE as _LARGE_NEGATIVE
 from jattn._src.decode import paged_tpu as _paged_tpu
 from jattn._src.decode import split as _split
 from jattn._src.decode import tile as _tile
-from jattn._src.kernels import tile_mods
+from jattn._src.kernels import kernel_inputs, tile_mods
 
 # Keys a step reads (W pages of S): 64 keys x H = 128 of bfloat16 are 16 KiB of keys and
 # 16 KiB of values a stage. NOT MEASURED on a GPU.
@@ -200,7 +200,7 @@ def prepare(p: Plan, query, cache, mods, options):
   inputs = [q, row, lo, n, pages, slots, cache.lengths.astype(jnp.int32),
             q_first.astype(jnp.int32), q_lengths.astype(jnp.int32),
             jnp.asarray(options["scale"], jnp.float32).reshape(1), cache.key_pages,
-            cache.value_pages, *[_flat(x) for x in mask_consts + score_consts]]
+            cache.value_pages, *[kernel_inputs.flat(x) for x in mask_consts + score_consts]]
   return inputs, tm, (row, n, overflow)
 
 
@@ -249,11 +249,3 @@ def merge(p: Plan, m, l, o, row, n, overflow, mods, options):
   # value missing some of its keys
   nan = lambda x: jnp.where(overflow.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.nan, x)
   return tuple(map(nan, got)) if isinstance(got, tuple) else nan(got)
-
-
-def _flat(c):
-  """A captured array as a flat array of 32-bit values (bool as int32)."""
-  c = jnp.asarray(c)
-  if c.dtype == jnp.bool_:
-    c = c.astype(jnp.int32)
-  return c.reshape(-1)

@@ -22,7 +22,7 @@ import numpy as np
 from jattn._src import compat
 from jattn._src.decode import split as _split
 from jattn._src.decode import tile as _tile
-from jattn._src.kernels import tile_mods
+from jattn._src.kernels import kernel_inputs, tile_mods
 
 LANES = 128
 # Steps of pages in flight per program (DMA'd while the one before is computed).
@@ -202,7 +202,7 @@ def run(p: Plan, query, cache, mods, options):
   score_consts = () if score_jaxpr is None else tuple(mods.score_consts)
   tm = (mask_jaxpr, tile_mods.consts_meta(mask_consts), score_jaxpr,
         tile_mods.consts_meta(score_consts))
-  smem = [_to_smem(c) for c in mask_consts + score_consts]
+  smem = [kernel_inputs.flat(c) for c in mask_consts + score_consts]
   scalars = [pages, slots, counts, cache.lengths.astype(jnp.int32), q_first.astype(jnp.int32),
              q_lengths.astype(jnp.int32), jnp.asarray(options["scale"], jnp.float32).reshape(1),
              *smem]
@@ -238,11 +238,3 @@ def run(p: Plan, query, cache, mods, options):
   o = (o * f[..., None]).sum(axis=1)
   carry = (m_all.reshape(B, K, G, T), l.reshape(B, K, G, T), o.reshape(B, K, G, T, D))
   return _tile.finish(carry, None if mods is None else mods.sinks, options["dtype"])
-
-
-def _to_smem(c):
-  """A captured array as a flat 32-bit array for SMEM (bool as int32)."""
-  c = jnp.asarray(c)
-  if c.dtype == jnp.bool_:
-    c = c.astype(jnp.int32)
-  return c.reshape(-1)
