@@ -20,11 +20,10 @@ import pytest
 
 import jattn
 from jattn._src.impl.interpret import pallas_interpret
-from tests.decode.test_decode_attention import (B, CASES, FINAL, NEEDED, _data, _empty_cache,
-                                                _late_case, _poison_unread, _s, _t, full_pass)
+from tests.decode.test_decode_attention import B, CASES, FINAL, _data, _s, _t, full_pass
 from tests.decode.test_paged_tpu import Q_LENGTHS, _check_rows, _filled, _last_queries
 from jattn._src.core.softmax import LARGE_NEGATIVE
-from tests.reference import reference_max_logits, reference_mods
+from tests.reference import reference_max_logits
 
 pytestmark = pytest.mark.interpret
 
@@ -124,65 +123,8 @@ def test_two_pages_a_split_and_a_step():
   _check_rows(got, want)
 
 
-@pytest.mark.parametrize("case, pages", [NEEDED[2]] + [
-    pytest.param(c, p, marks=pytest.mark.thorough) for c, p in NEEDED[:2] + NEEDED[3:]
-    if c != "document"])  # refused: test_refusals_say_why
-def test_pages_a_row_must_not_read_hold_nan(case, pages):
-  """NaN in every page the last token of each row must not read (free pages, pages
-  outside its window, EMPTY pages) and in slots past each row's length. Planted: the
-  load mask without `s_pos < length` (the stale slots read) made this fail (NaN)."""
-  q, k, v = _data(4)
-  kwargs, causal = _late_case(case)
-  want_mask = {"user_mask_late": (_s >= 8) | (_s == _t), "bidirectional": True}.get(
-      case, CASES.get(case, (None,) * 3)[2])
-  want_mask = True if want_mask is None else want_mask
-  cache = jattn.paged.append(_empty_cache(), k, v, jnp.asarray(FINAL))
-  poisoned = _poison_unread(np.asarray(pages, bool))(cache)
-  last = jnp.asarray(q[np.arange(B), FINAL - 1][:, None])  # [B, 1, N, H]
-  with pallas_interpret():
-    got = np.asarray(jattn.decode_attention(last, poisoned, implementation="paged_gpu",
-                                            is_causal=causal, **kwargs))[:, 0]
-  keep = (_s < FINAL[:, None, None, None]) & ((_s <= _t) | (not causal)) & want_mask
-  want, _ = reference_mods(q, k, v, allowed=keep)
-  np.testing.assert_allclose(got, want[np.arange(B), FINAL - 1], rtol=2e-5, atol=2e-5)
-
-
-def test_freed_pages_are_reused():
-  """Row 1 finishes; every free page is then filled with NaN (stale values) and row 1
-  takes a new sequence of 3 tokens into a freed page: its last slot stays NaN."""
-  q, k, v = _data(5)
-  cache = jattn.paged.free(_filled(k, v), jnp.array([False, True, False]))
-  free = np.asarray(cache.page_free)
-  cache = dataclasses.replace(
-      cache, key_pages=jnp.where(free[:, None, None, None], jnp.nan, cache.key_pages),
-      value_pages=jnp.where(free[:, None, None, None], jnp.nan, cache.value_pages))
-  q2, k2, v2 = _data(6)
-  new = np.array([0, 3, 0])
-  cache = jattn.paged.append(cache, jnp.asarray(k2[:, :3]), jnp.asarray(v2[:, :3]),
-                             jnp.asarray(new))
-  assert free[np.asarray(cache.block_table)[1, 0]]  # a freed page again
-  with pallas_interpret():
-    got = np.asarray(jattn.decode_attention(
-        jnp.asarray(q2[:, :3]), cache, query_lengths=jnp.asarray(new), is_causal=True,
-        implementation="paged_gpu"))
-  keep = (_s[:, :, :3, :3] <= _t[:, :, :3, :3])
-  want, _ = reference_mods(q2[1:2, :3], k2[1:2, :3], v2[1:2, :3], allowed=keep)
-  np.testing.assert_allclose(got[1], want[0], rtol=2e-5, atol=2e-5)
-  np.testing.assert_array_equal(got[[0, 2]], 0.0)  # rows with no query
-
-
-def test_a_row_with_nothing_to_attend_gives_zeros():
-  """Row 1's mask hides every key (with sinks too): zeros, no NaN; the others as usual."""
-  q, k, v = _data(7)
-  sinks = CASES["sinks"][0]["sinks"]
-  got = _kernel(_last_queries(q), _filled(k, v), is_causal=True, sinks=sinks,
-                mask_mod=lambda b, n, t, s: b != 1)
-  assert not np.isnan(np.asarray(got)).any()
-  np.testing.assert_array_equal(np.asarray(got)[1], 0.0)
-  keep = (_s < FINAL[:, None, None, None]) & (_s <= _t) & (np.arange(B) != 1)[:, None, None,
-                                                                              None]
-  want, _ = reference_mods(q, k, v, allowed=keep, sinks=np.asarray(sinks))
-  _check_rows(got, want)
+# NaN in unread pages, freed pages reused, a row with nothing to attend: the TPU
+# kernel's tests, run for both (tests/decode/test_paged_tpu.py)
 
 
 def test_refusals_say_why():

@@ -58,10 +58,15 @@ def _check_rows(got, want):
     np.testing.assert_array_equal(got[b, Q_LENGTHS[b]:], 0.0)
 
 
-def _kernel(q, cache, **kwargs):
+def _kernel(q, cache, implementation="paged_tpu", **kwargs):
   with pallas_interpret():
     return jattn.decode_attention(q, cache, query_lengths=jnp.asarray(Q_LENGTHS),
-                                  implementation="paged_tpu", **kwargs)
+                                  implementation=implementation, **kwargs)
+
+
+# the edge cases below hold for both page-reading kernels: the TPU one and the GPU one
+# (paged_gpu, tests/decode/test_paged_gpu.py), each interpreted
+_KERNELS = pytest.mark.parametrize("implementation", ["paged_tpu", "paged_gpu"])
 
 
 _CI = ("user_mask", "sinks_window_alibi")
@@ -114,9 +119,12 @@ def test_splits_merge_by_log_sum_exp():
 @pytest.mark.parametrize("case, pages", [NEEDED[2]] + [
     pytest.param(c, p, marks=pytest.mark.thorough) for c, p in NEEDED[:2] + NEEDED[3:]
     if c != "document"])  # refused: test_refusals_say_why
-def test_pages_a_row_must_not_read_hold_nan(case, pages):
+@_KERNELS
+def test_pages_a_row_must_not_read_hold_nan(case, pages, implementation):
   """NaN in every page the last token of each row must not read (free pages, pages
-  outside its window, EMPTY pages) and in slots past each row's length."""
+  outside its window, EMPTY pages) and in slots past each row's length. Planted in
+  paged_gpu: the load mask without `s_pos < length` (the stale slots read) made this
+  fail (NaN)."""
   q, k, v = _data(4)
   kwargs, causal = _late_case(case)
   want_mask = {"user_mask_late": (_s >= 8) | (_s == _t), "bidirectional": True}.get(
@@ -126,14 +134,15 @@ def test_pages_a_row_must_not_read_hold_nan(case, pages):
   poisoned = _poison_unread(np.asarray(pages, bool))(cache)
   last = jnp.asarray(q[np.arange(B), FINAL - 1][:, None])  # [B, 1, N, H]
   with pallas_interpret():
-    got = np.asarray(jattn.decode_attention(last, poisoned, implementation="paged_tpu",
+    got = np.asarray(jattn.decode_attention(last, poisoned, implementation=implementation,
                                             is_causal=causal, **kwargs))[:, 0]
   keep = (_s < FINAL[:, None, None, None]) & ((_s <= _t) | (not causal)) & want_mask
   want, _ = reference_mods(q, k, v, allowed=keep)
   np.testing.assert_allclose(got, want[np.arange(B), FINAL - 1], rtol=2e-5, atol=2e-5)
 
 
-def test_freed_pages_are_reused():
+@_KERNELS
+def test_freed_pages_are_reused(implementation):
   """Row 1 finishes; every free page is then filled with NaN (stale values) and row 1
   takes a new sequence of 3 tokens into a freed page: its last slot stays NaN."""
   q, k, v = _data(5)
@@ -150,19 +159,20 @@ def test_freed_pages_are_reused():
   with pallas_interpret():
     got = np.asarray(jattn.decode_attention(
         jnp.asarray(q2[:, :3]), cache, query_lengths=jnp.asarray(new), is_causal=True,
-        implementation="paged_tpu"))
+        implementation=implementation))
   keep = (_s[:, :, :3, :3] <= _t[:, :, :3, :3])
   want, _ = reference_mods(q2[1:2, :3], k2[1:2, :3], v2[1:2, :3], allowed=keep)
   np.testing.assert_allclose(got[1], want[0], rtol=2e-5, atol=2e-5)
   np.testing.assert_array_equal(got[[0, 2]], 0.0)  # rows with no query
 
 
-def test_a_row_with_nothing_to_attend_gives_zeros():
+@_KERNELS
+def test_a_row_with_nothing_to_attend_gives_zeros(implementation):
   """Row 1's mask hides every key (with sinks too): zeros, no NaN; the others as usual."""
   q, k, v = _data(7)
   sinks = CASES["sinks"][0]["sinks"]
-  got = _kernel(_last_queries(q), _filled(k, v), is_causal=True, sinks=sinks,
-                mask_mod=lambda b, n, t, s: b != 1)
+  got = _kernel(_last_queries(q), _filled(k, v), implementation, is_causal=True,
+                sinks=sinks, mask_mod=lambda b, n, t, s: b != 1)
   assert not np.isnan(np.asarray(got)).any()
   np.testing.assert_array_equal(np.asarray(got)[1], 0.0)
   keep = (_s < FINAL[:, None, None, None]) & (_s <= _t) & (np.arange(B) != 1)[:, None, None,
