@@ -261,6 +261,9 @@ def _child(generation, batch, out):
     else:
       raise RuntimeError(f"{mode}: {steps} steps; this batch was to decode only")
     issue = tpu_loops.issued(listing, trips)
+    # if every bundle a forward branch can skip were skipped (the source rules it out:
+    # the copies run on every step): how much of the issue time rests on that reading
+    skipped = listing.skippable(None) + sum(listing.skippable(i) * t for i, t in enumerate(trips))
     # schedule reads at each chunk: each field's words for the chunk's steps, aligned to
     # 1024 (kernel.py's execute_schedule_chunk); the HBM fields are the multi-word ones
     ub = c["max_steps_ub"]
@@ -272,7 +275,9 @@ def _child(generation, batch, out):
     kernels[name] = _timed(dict(
         role=f"{mode.name.lower()} kernel", steps=steps, tasks=tasks, **c,
         bundles=listing.total, bundles_outside_loops=listing.own(None),
-        loops=_loops(listing, trips, names), issue_bundles=issue, dma_bytes=dma_bytes),
+        loops=_loops(listing, trips, names), issue_bundles=issue,
+        issue_bundles_all_skips_taken=issue - skipped, dma_bytes=dma_bytes,
+        bundles_per_page=round(issue / max(sum(_cdiv(n, ps) for n in lengths), 1), 1)),
         bandwidth, clock)
 
     s_listing = tpu_loops.parse(files[sched_name].read_text())
@@ -311,6 +316,8 @@ def _loops(listing, trips, names):
 
 def _timed(k, bandwidth, clock):
   k.update(issue_us=1e6 * k["issue_bundles"] / clock, dma_us=1e6 * k["dma_bytes"] / bandwidth)
+  if "issue_bundles_all_skips_taken" in k:
+    k["issue_us_all_skips_taken"] = 1e6 * k["issue_bundles_all_skips_taken"] / clock
   k["estimate_us"] = max(k["issue_us"], k["dma_us"])
   return k
 
@@ -326,7 +333,8 @@ def main(argv=None):
   print("deviceless TPU compiles (estimates, no TPU ran); paged_tpu from "
         "benchmarks/results/tpu_decode_estimates.json")
   print(f"{'gen':<4} {'batch':<15} {'roofline':>9} {'paged_tpu':>9} {'tokamax':>9} "
-        f"{'dma':>8} {'issue':>8} {'/paged':>7} {'/roof':>6} {'call':>8} {'call/paged':>10}")
+        f"{'dma':>8} {'issue':>8} {'/paged':>7} {'/roof':>6} {'call':>8} {'call/paged':>10} "
+        f"{'bundles/page':>12} {'(paged_tpu)':>11}")
   for generation in gens:
     rows = []
     for batch in decode_tpu.BATCHES:
@@ -347,7 +355,9 @@ def main(argv=None):
       print(f"{generation:<4} {batch:<15} {r['roofline_us']:8.1f}u {p:8.1f}u "
             f"{d['estimate_us']:8.1f}u {d['dma_us']:7.1f}u {d['issue_us']:7.1f}u "
             f"{d['estimate_us'] / p:6.2f}x {d['estimate_us'] / r['roofline_us']:5.2f}x "
-            f"{r['call_us']:7.1f}u {r['call_us'] / p:9.2f}x", flush=True)
+            f"{r['call_us']:7.1f}u {r['call_us'] / p:9.2f}x {d['bundles_per_page']:12.1f} "
+            f"{paged[generation, batch]['paged_tpu'].get('bundles_per_page', float('nan')):11.1f}",
+            flush=True)
     (RESULTS / f"tpu_decode_tokamax_{generation}.json").write_text(
         json.dumps({"results": rows}, indent=1) + "\n")
 
