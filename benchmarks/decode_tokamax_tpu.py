@@ -53,6 +53,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -168,6 +169,13 @@ def _scheduler_trips(listing, cfgs, seqs, q_blocks, tasks):
 
 def _child(generation, batch, out):
   dump = tempfile.mkdtemp(prefix="jattn_tokamax_dump_")
+  try:
+    _estimate(generation, batch, out, dump)
+  finally:
+    shutil.rmtree(dump, ignore_errors=True)  # hundreds of MB a compile
+
+
+def _estimate(generation, batch, out, dump):
   os.environ["LIBTPU_INIT_ARGS"] = f"--xla_jf_dump_to={dump}"
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   sys.argv[1:] = ["--tokamax_cross_compile"]  # tokamax reads its --tokamax_* flags from argv
