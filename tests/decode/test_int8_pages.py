@@ -8,6 +8,8 @@ then chunks of 3 and single tokens, so pages fill over several calls and are
 requantized when a later token raises their amax.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,7 +204,8 @@ def test_decode_equals_the_full_pass_over_the_dequantized_pages(implementation, 
     (jnp.int8, jnp.float32), marks=pytest.mark.thorough)])
 def test_paged_tpu_kernel_dequantizes_in_the_kernel(dtypes):
   """Keys and values int8 (CI), or one of them (thorough): the kernel's scales on the
-  logits and on the probabilities, against float64."""
+  logits and on the probabilities, against float64. Two pages a step: row 0's first
+  step is unmasked, row 2's last one short (its last page again, masked)."""
   q, k, v = _scaled(2)
   cache, pools = _fill(_empty(*dtypes), k, v, _CALLS)
   if cache.key_scales is None:  # float keys: the pool holds them as they are
@@ -213,6 +216,7 @@ def test_paged_tpu_kernel_dequantizes_in_the_kernel(dtypes):
     report = jattn.explain_decode(jnp.zeros((B, 1, N, 8)), cache, implementation="paged_tpu",
                                   is_causal=True, mask_mod=CASES["user_mask"][0]["mask_mod"])
     assert "dequantized in the kernel" in str(report.choices["cpu"].plan)
+    _check(q, cache, pools, "none", "paged_tpu", k, v, pages_per_step=2)
     _check(q, cache, pools, "user_mask", "paged_tpu", k, v)
 
 
@@ -222,6 +226,41 @@ class _Exact:
 
   def dequantized(self):
     return self.pages.astype(np.float64)
+
+
+def _tpu_devices(generation):
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  try:
+    from jax.experimental import topologies
+    return topologies.get_topology_desc(f"{generation}=1x1", "tpu").devices
+  except Exception as e:  # no libtpu (jax 0.10.2's venv): nothing to compile with
+    pytest.skip(f"no deviceless TPU compiler here: {type(e).__name__}: {e}")
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_int8_kernel_compiles_for_tpu_without_a_dequantized_copy(generation):
+  """The benchmark's shapes with int8 pages (B = 8 of up to 32k, N = 16, K = 4, H = 128,
+  pages of 64, bfloat16 queries), compiled for a TPU from this host: the program calls
+  the kernel, and its temporaries hold no dequantized pool (a pool's bytes in bfloat16
+  would be 2x the int8 pool's). A query chunk with mods compiles too."""
+  devices = _tpu_devices(generation)
+  shard = jax.sharding.NamedSharding(jax.sharding.Mesh(devices, ("x",)), jax.P())
+  B_, N_, K_, H_, ps, max_length, P_ = 8, 16, 4, 128, 64, 32768, 2400
+  cache = jax.eval_shape(lambda: jattn.paged.init_cache(
+      B_, max_length, num_kv_heads=K_, head_dim=H_, page_size=ps, num_pages=P_,
+      dtype=jnp.int8))
+  cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard), cache)
+  int8_pool = 2 * P_ * ps * K_ * H_  # keys and values
+  for T_, kwargs in ((1, dict(is_causal=True)),
+                     (2, dict(mask_mod=jattn.mods.sliding_window(4000), sinks=jnp.zeros(N_),
+                              score_mod=jattn.mods.alibi(jattn.mods.alibi_slopes(N_))))):
+    q = jax.ShapeDtypeStruct((B_, T_, N_, H_), jnp.bfloat16, sharding=shard)
+    f = jax.jit(lambda q, c: jattn.decode_attention(q, c, implementation="paged_tpu", **kwargs))
+    with jattn.lowering_for("tpu"):
+      compiled = f.trace(q, cache).lower(lowering_platforms=("tpu",)).compile()
+    assert "jattn_paged_decode_tpu" in compiled.as_text()
+    assert compiled.memory_analysis().temp_size_in_bytes < int8_pool / 8
 
 
 @pytest.mark.parametrize("implementation", ["split", pytest.param(
