@@ -16,6 +16,7 @@ queried positions and over all positions, and how many queried answers differ
 from the full pass's argmax; and between bfloat16 and int8 pages.
 
   python benchmarks/int8_pages.py --workdir /tmp/jattn_mqar --out benchmarks/results/int8_pages_mqar.json
+  python benchmarks/int8_pages.py --smoke --workdir /tmp/t     # configs/tiny.py: seconds, no figures
 """
 
 import argparse
@@ -36,7 +37,7 @@ from flax import nnx  # noqa: E402
 
 import mqar_data  # noqa: E402
 import training  # noqa: E402
-from configs import mqar  # noqa: E402
+from configs import mqar, tiny  # noqa: E402
 from jattn.transformer import Transformer  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "int8": jnp.int8}
@@ -94,8 +95,10 @@ def main():
   parser.add_argument("--chunk", type=int, default=1, help="tokens a decode call after the pairs")
   parser.add_argument("--page-size", type=int, default=16)
   parser.add_argument("--out", type=pathlib.Path, default=None)
+  parser.add_argument("--smoke", action="store_true",
+                      help="configs/tiny.py (a few steps: checks the script runs, no figures)")
   args = parser.parse_args()
-  config = mqar.get_config()
+  config = tiny.get_config() if args.smoke else mqar.get_config()
   model, step = restore(config, args.workdir)
   held = mqar_data.held_out(config)
   tokens = held["tokens"][:args.examples]
