@@ -24,7 +24,7 @@ and the cache memory of each (bytes of its key and value arrays).
 (the "paged_tpu" kernel against the HBM roofline, "split" and "xla"; bfloat16;
 `benchmarks/decode_tpu.py` says how), in a venv with libtpu:
 
-  JAX_PLATFORMS=cpu python benchmarks/decode.py --tpu [--out FILE]
+  JAX_PLATFORMS=cpu python benchmarks/decode.py --tpu [--int8] [--out FILE]
 
 `--gpu` instead times, on a lent NVIDIA GPU, the "paged_gpu" kernel against "split" and
 the HBM roofline (bfloat16; B = 8 rows of 256 to 32k and B = 1 of 128k;
@@ -154,6 +154,8 @@ def main():
   parser.add_argument("--smoke", action="store_true", help="tiny lengths, 2 steps")
   parser.add_argument("--tpu", action="store_true",
                       help="estimates for TPU v5e / v6e from deviceless compiles")
+  parser.add_argument("--int8", action="store_true",
+                      help="--tpu: int8 pages against bfloat16 ones (roofline, paged_tpu)")
   parser.add_argument("--gpu", action="store_true",
                       help="paged_gpu vs split vs the HBM roofline on a lent GPU")
   parser.add_argument("--rounds", type=int, default=7, help="--gpu: interleaved rounds")
@@ -166,7 +168,7 @@ def main():
                              deadline=args.deadline))
   if args.tpu:
     from benchmarks import decode_tpu
-    decode_tpu.main(args.out)
+    (decode_tpu.main_int8 if args.int8 else decode_tpu.main)(args.out)
     return
   lengths, max_length = (LENGTHS, MAX_LENGTH) if not args.smoke else ((5, 40, 17), 64)
   steps = 2 if args.smoke else args.steps

@@ -24,6 +24,12 @@ and reports, bfloat16 pages of 64 tokens, N = 16, K = 4, H = D = 128, causal:
                  ceil(needed pages / W); / bandwidth;
   xla            the dense reference (every row's whole table), bytes accessed / bandwidth.
 
+`--int8` (`main_int8`) compiles the kernel over int8 pages beside bfloat16 ones
+(bfloat16 queries, a pool of INT8_POOL_FACTOR x the pages needed for both) and
+reports the roofline (1 byte an entry, plus each page's float32 scales per kv
+head, keys and values) and the kernel's DMA and issue time, as above;
+benchmarks/results/tpu_decode_int8_estimates.json.
+
 HBM bandwidth: v5e 819 GB/s (cloud.google.com/tpu/docs/v5e; jax's
 jax/_src/tpu_info.py has 8.20e11), v6e 1640 GB/s (cloud.google.com/tpu/docs/v6e;
 tpu_info 1.64e12). Clocks are NOT published figures: derived as peak bf16
@@ -57,7 +63,8 @@ BATCHES = {
 }
 
 
-def kernel_bundles(generation: str, lengths, max_length, step_pages=None):
+def kernel_bundles(generation: str, lengths, max_length, step_pages=None, cache_dtype="bfloat16",
+                   pool_factor=1):
   """`bundles` of the kernel for this batch (step_pages: U, else the kernel's default),
   from a compile in a subprocess whose libtpu dumps its schedules (a dump of every
   compile is slow), or None."""
@@ -67,7 +74,8 @@ def kernel_bundles(generation: str, lengths, max_length, step_pages=None):
     code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}]; from benchmarks import decode_tpu; "
             f"from jax.experimental import topologies; "
             f"decode_tpu._compile(topologies.get_topology_desc({generation + '=1x1'!r}, 'tpu')"
-            f".devices, {list(map(int, lengths))}, {int(max_length)}, 'paged_tpu', {step_pages})")
+            f".devices, {list(map(int, lengths))}, {int(max_length)}, 'paged_tpu', {step_pages}, "
+            f"{cache_dtype!r}, {int(pool_factor)})")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f"the kernel's compile failed: {done.stderr[-2000:]}")
@@ -115,17 +123,20 @@ def bundles(dump: pathlib.Path, kernel: str = "jattn_paged_decode_tpu"):
   return total, body, body - masked, body - unmasked
 
 
-def _compile(devices, lengths, max_length, implementation, pages_per_step=None):
+def _compile(devices, lengths, max_length, implementation, pages_per_step=None,
+             cache_dtype="bfloat16", pool_factor=1):
+  """The compiled call (bfloat16 queries; pages of cache_dtype: bfloat16 or int8; a pool
+  of pool_factor x the pages the lengths need) and the plan explain_decode reports for TPU."""
   import jax
   import jax.numpy as jnp
   import jattn
   mesh = jax.sharding.Mesh(devices, ("x",))
   shard = jax.sharding.NamedSharding(mesh, jax.P())
   B = len(lengths)
-  num_pages = int(sum(-(-(n + 1) // PAGE) for n in lengths))
+  num_pages = pool_factor * int(sum(-(-(n + 1) // PAGE) for n in lengths))
   cache = jax.eval_shape(lambda: jattn.paged.init_cache(
       B, max_length, num_kv_heads=K, head_dim=H, page_size=PAGE, num_pages=num_pages,
-      dtype=jnp.bfloat16))
+      dtype=jnp.dtype(cache_dtype)))
   cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shard), cache)
   q = jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16, sharding=shard)
   f = jax.jit(lambda q, c: jattn.decode_attention(q, c, is_causal=True,
@@ -189,6 +200,82 @@ def estimate(generation: str, lengths, max_length, counted) -> dict:
   dense = _compile(devices, lengths, max_length, "xla")[0].cost_analysis()["bytes accessed"]
   out["xla"] = {"bytes": dense, "estimate_us": 1e6 * dense / bandwidth}
   return out
+
+
+def kernel_estimate(generation: str, lengths, max_length, counted, cache_dtype: str) -> dict:
+  """The roofline and paged_tpu's estimate (DMA volume, issue time from `counted`, the
+  kernel's `kernel_bundles`) for pages of cache_dtype, bfloat16 queries. int8 pages move
+  1 byte an entry and their scales: float32 per (page, kv head), keys and values."""
+  from jax.experimental import topologies
+  bandwidth, clock = GENERATIONS[generation]
+  devices = topologies.get_topology_desc(f"{generation}=1x1", "tpu").devices
+  lengths = np.asarray(lengths)
+  itemsize = 1 if cache_dtype == "int8" else 2
+  token_bytes = K * (H + D) * itemsize
+  page_extra = 2 * K * 4 if cache_dtype == "int8" else 0  # the scales of a page
+  pages = -(-lengths // PAGE)
+  roofline_bytes = int(lengths.sum()) * token_bytes + int(pages.sum()) * page_extra
+  compiled, plan = _compile(devices, lengths, max_length, "paged_tpu", None, cache_dtype,
+                            INT8_POOL_FACTOR)
+  assert "jattn_paged_decode_tpu" in compiled.as_text(), "paged_tpu did not take the call"
+  assert plan.splits == 1, "the step count below assumes one split per row"
+  U = plan.step_pages
+  steps = -(-pages // U)
+  whole = lengths // (U * PAGE)
+  # the scales come with the work list (scalar prefetch): once per listed page
+  dma_bytes = int(steps.sum()) * U * PAGE * token_bytes + int(pages.sum()) * page_extra
+  out = {"generation": generation, "cache_dtype": cache_dtype, "lengths": lengths.tolist(),
+         "roofline_bytes": roofline_bytes, "roofline_us": 1e6 * roofline_bytes / bandwidth,
+         "plan": str(plan), "step_pages": U, "dma_bytes": dma_bytes,
+         "dma_us": 1e6 * dma_bytes / bandwidth}
+  if counted is not None:
+    total, body, unmasked, masked = counted
+    cycles = (int(whole.sum()) * unmasked + int((steps - whole).sum()) * masked
+              + len(lengths) * (total - body))
+    out.update(bundles_total=total, bundles_unmasked_step=unmasked,
+               bundles_masked_step=masked, bundles_per_page=round(cycles / int(pages.sum()), 1),
+               issue_us=1e6 * cycles / clock)
+  out["estimate_us"] = max(out["dma_us"], out.get("issue_us", 0.0))
+  return out
+
+
+# The int8 comparison's pools: 4x the pages the lengths need, for both dtypes. At 1x the
+# TPU compiler put the int8 pools of the B = 8 batch (2 x 18 MiB) in VMEM (XLA's choice
+# for an operand in memory space ANY; pltpu.HBM did not change it), and the kernel's page
+# DMAs became vector copy loops: not the HBM-bound step measured here. A serving pool is
+# sized for more than one batch's tokens anyway.
+INT8_POOL_FACTOR = 4
+
+
+def main_int8(out_path=None):
+  """int8 pages against bfloat16 ones: the roofline and paged_tpu's estimate, same batches."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  import jax
+  dtypes = ("bfloat16", "int8")
+  counted = {(g, name, d): kernel_bundles(g, *batch, None, d, INT8_POOL_FACTOR)
+             for g in GENERATIONS
+             for name, batch in BATCHES.items() for d in dtypes}
+  results = []
+  print(f"jax {jax.__version__}; deviceless TPU compiles (estimates, no TPU ran)")
+  print(f"{'gen':<4} {'batch':<14} {'pages':<8} {'roofline':>9} {'dma':>8} {'issue':>8} "
+        f"{'bundles/page':>12} {'estimate':>9} {'est/roof':>8} {'bf16/int8':>9}")
+  for g in GENERATIONS:
+    for name, (lengths, max_length) in BATCHES.items():
+      r = {d: kernel_estimate(g, lengths, max_length, counted[g, name, d], d) for d in dtypes}
+      for d in dtypes:
+        k = r[d]
+        k["batch"] = name
+        results.append(k)
+        print(f"{g:<4} {name:<14} {d:<8} {k['roofline_us']:8.1f}u {k['dma_us']:7.1f}u "
+              f"{k.get('issue_us', float('nan')):7.1f}u {k.get('bundles_per_page', 0):12.1f} "
+              f"{k['estimate_us']:8.1f}u {k['estimate_us'] / k['roofline_us']:7.2f}x "
+              f"{r['bfloat16']['estimate_us'] / k['estimate_us']:8.2f}x", flush=True)
+  if out_path is not None:
+    out_path.write_text(json.dumps({"jax": jax.__version__, "N": N, "K": K, "H": H, "D": D,
+                                    "page_size": PAGE, "query_dtype": "bfloat16",
+                                    "pool_factor": INT8_POOL_FACTOR,
+                                    "results": results}, indent=1) + "\n")
+  return results
 
 
 def main(out_path=None):

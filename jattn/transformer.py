@@ -251,13 +251,19 @@ class Transformer(nnx.Module):
         rngs.params(), (config.features, config.vocab_size)))  # [F, V]
 
   def init_cache(self, batch_size: int, max_length: int | None = None, *, paged: bool = False,
-                 page_size: int = 16, num_pages: int | None = None) -> None:
+                 page_size: int = 16, num_pages: int | None = None,
+                 cache_dtype=None) -> None:
     """KV caches for decode=True (max_length defaults to config.max_len).
 
     paged=True: a paged cache per layer (`jattn.nnx.MultiHeadAttention.init_cache`),
-    num_pages pages of page_size tokens each, shared by the rows.
+    num_pages pages of page_size tokens each, shared by the rows; cache_dtype its
+    pages' dtype (default the model's; jnp.int8: int8 pages with per-page scales,
+    `jattn.paged.init_cache`).
     """
-    paged_kwargs = dict(paged=True, page_size=page_size, num_pages=num_pages) if paged else {}
+    if cache_dtype is not None and not paged:
+      raise ValueError(f"cache_dtype={cache_dtype!r} is for paged=True caches only")
+    paged_kwargs = dict(paged=True, page_size=page_size, num_pages=num_pages,
+                        dtype=cache_dtype) if paged else {}
     for block in self.blocks:
       block.attention.init_cache(batch_size, max_length or self.config.max_len, **paged_kwargs)
     if self.previous_embed is not None:
@@ -320,14 +326,16 @@ class Transformer(nnx.Module):
 
   def generate(self, prompts, prompt_lengths, max_new_tokens: int, rng, *,
                temperature: float = 1.0, eos_id: int | None = None, page_size: int = 16,
-               num_pages: int | None = None, progress: bool | None = None):
+               num_pages: int | None = None, progress: bool | None = None,
+               cache_dtype=None):
     """Samples max_new_tokens after each prompt, all rows in one batch, over a paged cache.
 
     prompts int [B, T] (row b's first prompt_lengths[b] tokens, the rest padding);
     rng a jax key; temperature 0 samples greedily. A row stops at its own end:
     after it samples eos_id, it appends nothing more and its later tokens are
     eos_id. The cache holds num_pages pages of page_size tokens (default: each
-    row's prompt plus max_new_tokens, rounded up to pages). Prefill and step are
+    row's prompt plus max_new_tokens, rounded up to pages) of cache_dtype (default
+    the model's dtype; jnp.int8 for int8 pages). Prefill and step are
     jitted once per shape; progress (default: when max_new_tokens >= 256 and
     tqdm is installed) shows a progress bar. Leaves the model's caches filled.
 
@@ -337,7 +345,7 @@ class Transformer(nnx.Module):
     from jattn._src.nn import generate as _generate
     return _generate.generate(self, prompts, prompt_lengths, max_new_tokens, rng,
                               temperature=temperature, eos_id=eos_id, page_size=page_size,
-                              num_pages=num_pages, progress=progress)
+                              num_pages=num_pages, progress=progress, cache_dtype=cache_dtype)
 
   def take(self, hidden, positions):
     """hidden [B, T, F] or [B, F, T], positions int [B, P] -> [B, P, F] or [B, F, P]."""

@@ -63,6 +63,22 @@ def test_decode_benchmark_runs_in_smoke_mode():
 
 
 @pytest.mark.slow
+@pytest.mark.training  # it trains a model: CI's first leg only
+def test_int8_pages_benchmark_runs_in_smoke_mode(tmp_path):
+  """benchmarks/int8_pages.py --smoke: trains configs/tiny.py, decodes over each kind
+  of page and writes its JSON."""
+  out = tmp_path / "int8.json"
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "int8_pages.py"), "--smoke",
+                         "--workdir", str(tmp_path / "run"), "--examples", "4", "--out",
+                         str(out)], capture_output=True, text=True, timeout=600, cwd="/")
+  assert done.returncode == 0, done.stderr[-3000:]
+  got = json.loads(out.read_text())
+  assert set(got["pages"]) == {"float32", "bfloat16", "int8"}
+  assert got["pages"]["float32"]["max_abs_logit_diff_all"] < 1e-3  # the cache is exact
+  assert got["pages"]["int8"]["max_abs_logit_diff_all"] > 0  # int8 pages are not
+
+
+@pytest.mark.slow
 def test_the_gpu_decode_timing_rehearses_on_this_cpu(tmp_path):
   """benchmarks/decode.py --gpu --smoke: the GPU decode stage (paged_gpu interpreted
   against split, tiny rows) runs end to end, so the next session with a GPU has it."""

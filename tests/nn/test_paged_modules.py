@@ -112,6 +112,24 @@ def test_transformer_paged_decoding_equals_the_full_pass(chunk):
   np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
 
 
+def test_transformer_int8_pages_decode_near_the_full_pass():
+  """cache_dtype=jnp.int8: every layer's pages int8 with scales; the logits within the
+  quantization error of the full pass (not equal: the pages are int8)."""
+  model = _model()
+  tokens = jax.random.randint(jax.random.key(2), (B, L), 0, 32)
+  full = np.asarray(model(tokens))  # [B, L, V]
+  with raises(ValueError, "cache_dtype", "paged=True"):
+    model.init_cache(B, cache_dtype=jnp.int8)
+  model.init_cache(B, paged=True, page_size=4, num_pages=12, cache_dtype=jnp.int8)
+  cache = model.blocks[0].attention.paged_cache.get_value()
+  assert cache.key_pages.dtype == cache.value_pages.dtype == jnp.int8
+  assert cache.key_scales.shape == cache.key_pages.shape[:2]
+  step = nnx.jit(lambda model, t, new: model(t, decode=True, lengths=new))
+  got = _decode(lambda t, new: step(model, t, new), np.asarray(tokens), chunk=1)
+  err = np.abs(got - full).max()
+  assert 0 < err < 0.05 * np.abs(full).max(), (err, np.abs(full).max())
+
+
 def _greedy_full_pass(model, prompts, lengths, n):
   """The next n tokens of each row by argmax of the full pass, one row at a time."""
   # one padded length for every call (one compilation): the model is causal, so the

@@ -46,9 +46,12 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
   if H != Hk:
     raise ValueError(f"query: depth H = {H} (shape {query.shape}) differs from the cache's "
                      f"key_pages [P, K, page_size, H] = {tuple(cache.key_pages.shape)}")
-  if not query.dtype == cache.key_pages.dtype == cache.value_pages.dtype:
-    raise TypeError(f"query and the cache's pages must share one dtype (as the query, key "
-                    f"and value of dot_product_attention), got query {query.dtype} "
+  # int8 pages (with their scales) compute in the query's dtype; float pages are it
+  if any(pool.dtype not in (query.dtype, jnp.int8) for pool in (cache.key_pages,
+                                                                cache.value_pages)):
+    raise TypeError(f"query and the cache's float pages must share one dtype (as the "
+                    f"query, key and value of dot_product_attention; int8 pages take any "
+                    f"float query), got query {query.dtype} "
                     f"{query.shape}, key_pages {cache.key_pages.dtype} "
                     f"{tuple(cache.key_pages.shape)}, value_pages {cache.value_pages.dtype} "
                     f"{tuple(cache.value_pages.shape)}")
@@ -142,13 +145,19 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
   query_lengths[b] included) gets the finite -0.7 * float32 max. Sinks do not
   count. Returns (out, max_logits) then.
 
+  int8 pages (`jattn.paged.init_cache(..., dtype=jnp.int8)`) are dequantized
+  by their per-(page, kv head) scales as they are read ("split", "xla" and
+  "paged_tpu", in its kernel: HBM traffic is the int8 bytes); the query may be
+  any float dtype, the computation and the output are in it.
+
   Under jax.jit a row whose query_lengths is out of range (which raises
   eagerly) cannot raise: it reads nothing and its output (and max logits) is
   NaN in every slot, never a value at a wrong position.
 
   Raises:
     ValueError / TypeError, before any work, naming the argument and shapes:
-      a query that does not fit the cache or whose dtype is not the cache's,
+      a query that does not fit the cache or whose dtype is not that of
+      the cache's float pages,
       query_lengths out of range, a page id out of range or lengths past the
       table (a concrete cache), bad mods or sinks (as `dot_product_attention`).
 
@@ -166,7 +175,7 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
       scale, pages_per_step, return_max_logits)
   choices = _choices(call, implementation)
   dispatch.record(choices)
-  options = dict(causal=call.is_causal, window=call.window, dtype=cache.value_pages.dtype,
+  options = dict(causal=call.is_causal, window=call.window, dtype=query.dtype,
                  return_max_logits=call.return_max_logits)
 
   def branch(choice):

@@ -13,6 +13,18 @@ updates with no Python loop over rows.
     lengths      int32 [B]              tokens cached per row
     page_free    bool [P]               the free list: True = not in any row
     error        int32 []               sticky: 0, or the bits of ERRORS (under jit)
+    key_scales   float32 [P, K] or None int8 key pages only: page p, head k holds
+                                        key_pages[p, k] * key_scales[p, k]
+    value_scales float32 [P, K] or None likewise for int8 value pages
+
+int8 pages (init_cache with dtype or value_dtype jnp.int8) are quantized
+symmetrically per (page, kv head): scale = amax / 127 over the page's tokens.
+A page fills over several appends, so `append` gathers only the pages it
+touches (ceil((T - 1) / page_size) + 1 a row), dequantizes their tokens,
+adds the new ones and requantizes the page to the scale of the new amax
+(never smaller than the old one): earlier tokens of a page keep their value
+within one quantization step of the new scale. Slots past a row's length do
+not count, so a freed page starts from a fresh scale when reused.
 
 A bad request (a full pool, lengths past the table) raises a ValueError when
 the arrays are concrete. Under jit nothing can raise, so the request is
@@ -61,6 +73,8 @@ class PagedKVCache:
   lengths: jax.Array
   page_free: jax.Array
   error: jax.Array
+  key_scales: jax.Array | None = None
+  value_scales: jax.Array | None = None
 
   @property
   def page_size(self) -> int:
@@ -83,8 +97,9 @@ class PagedKVCache:
     return self.max_pages * self.page_size
 
   def memory_bytes(self) -> int:
-    """Bytes of the key and value pools (what the cache costs in memory)."""
-    return self.key_pages.nbytes + self.value_pages.nbytes
+    """Bytes of the key and value pools and their scales (what the cache costs in memory)."""
+    scales = sum(x.nbytes for x in (self.key_scales, self.value_scales) if x is not None)
+    return self.key_pages.nbytes + self.value_pages.nbytes + scales
 
 
 jax.tree_util.register_dataclass(
@@ -100,6 +115,10 @@ def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim:
 
   num_pages defaults to enough for every row at max_length (the dense cache's
   memory); pass fewer, about sum(lengths) / page_size, to hold only what rows use.
+  dtype (keys, and values unless value_dtype) is a float dtype or jnp.int8: int8
+  pages with float32 scales per (page, kv head) (the module docstring), half the
+  bytes of bfloat16 ones; decode_attention then takes a float query and computes
+  in its dtype.
   """
   for name, value in (("batch_size", batch_size), ("max_length", max_length),
                       ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -112,13 +131,21 @@ def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim:
     raise ValueError(f"init_cache: num_pages must be a positive int, got {num_pages!r}")
   D = head_dim if value_dim is None else value_dim
   P, K = num_pages, num_kv_heads
+  dtypes = {"dtype": jnp.dtype(dtype),
+            "value_dtype": jnp.dtype(dtype if value_dtype is None else value_dtype)}
+  for name, d in dtypes.items():
+    if not (jnp.issubdtype(d, jnp.floating) or d == jnp.int8):
+      raise TypeError(f"init_cache: {name} must be a floating-point dtype or jnp.int8, "
+                      f"got {d}")
+  scales = lambda d: jnp.zeros((P, K), jnp.float32) if d == jnp.int8 else None
   return PagedKVCache(
-      key_pages=jnp.zeros((P, K, page_size, head_dim), dtype),
-      value_pages=jnp.zeros((P, K, page_size, D), value_dtype or dtype),
+      key_pages=jnp.zeros((P, K, page_size, head_dim), dtypes["dtype"]),
+      value_pages=jnp.zeros((P, K, page_size, D), dtypes["value_dtype"]),
       block_table=jnp.full((batch_size, max_pages), NO_PAGE, jnp.int32),
       lengths=jnp.zeros((batch_size,), jnp.int32),
       page_free=jnp.ones((P,), bool),
-      error=jnp.zeros((), jnp.int32))
+      error=jnp.zeros((), jnp.int32),
+      key_scales=scales(dtypes["dtype"]), value_scales=scales(dtypes["value_dtype"]))
 
 
 def _concrete(*xs) -> bool:
@@ -247,12 +274,74 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
   # the heads [K] broadcasts to the [B, T, K] entries key[b, t, k] fills
   heads = jnp.arange(K, dtype=jnp.int32)
   at = (page[..., None], heads, slot[..., None])
-  key_pages = grown.key_pages.at[at].set(key.astype(cache.key_pages.dtype), mode="drop")
-  value_pages = grown.value_pages.at[at].set(value.astype(cache.value_pages.dtype),
-                                             mode="drop")
+  out = {}
+  for name, x in (("key", key), ("value", value)):
+    pool, scales = getattr(grown, name + "_pages"), getattr(grown, name + "_scales")
+    if scales is None:
+      out[name + "_pages"] = pool.at[at].set(x.astype(pool.dtype), mode="drop")
+    else:
+      out[name + "_pages"], out[name + "_scales"] = _append_quantized(
+          grown, pool, scales, x, new_tokens, refused)
   lengths = grown.lengths + jnp.where(refused, 0, new_tokens)
-  return dataclasses.replace(grown, key_pages=key_pages, value_pages=value_pages,
-                             lengths=lengths)
+  return dataclasses.replace(grown, lengths=lengths, **out)
+
+
+def quantize(x, amax):
+  """float x [..., S, H] and its amax [...] -> (int8 x, float32 scale [...]): x ~ q * scale,
+  symmetric, scale = amax / 127 (0 for an all-zero page)."""
+  scale = amax.astype(jnp.float32) / 127.0
+  safe = jnp.where(scale > 0, scale, 1.0)[..., None, None]
+  q = jnp.clip(jnp.round(x.astype(jnp.float32) / safe), -127, 127).astype(jnp.int8)
+  return q, scale
+
+
+def dequantize(q, scale, dtype):
+  """int8 q [..., S, H] and scale [...] -> q * scale in dtype."""
+  return (q.astype(jnp.float32) * scale[..., None, None]).astype(dtype)
+
+
+def read_pages(cache: PagedKVCache, page, dtype):
+  """The pool pages `page` (int array [...]) -> (keys [..., K, S, H], values [..., K, S, D])
+  in dtype, int8 pages dequantized by their scales."""
+  out = []
+  for pool, scales in ((cache.key_pages, cache.key_scales),
+                       (cache.value_pages, cache.value_scales)):
+    out.append(pool[page].astype(dtype) if scales is None else
+               dequantize(pool[page], scales[page], dtype))
+  return tuple(out)
+
+
+def _append_quantized(grown, pool, scales, x, new_tokens, refused):
+  """-> (pool, scales) with row b's new tokens x [B, T, K, H] written into its int8 pages.
+
+  Only the pages the call touches (J a row, static) are gathered: their old tokens
+  dequantized, the new ones added, slots past the new length zeroed (a reused page's
+  stale tokens do not count), and the page requantized at scale max(new amax / 127,
+  old scale) (scales only grow, so old tokens move by at most one step).
+  """
+  B, T = x.shape[:2]
+  P, M, ps = grown.num_pages, grown.max_pages, grown.page_size
+  J = min((ps + T - 2) // ps + 1, M)  # pages tokens [L, L + T) can touch
+  old_len, new_len = grown.lengths, grown.lengths + new_tokens  # [B]
+  j = old_len[:, None] // ps + jnp.arange(J, dtype=jnp.int32)[None, :]  # [B, J] table slots
+  touched = (j * ps < new_len[:, None]) & (j < M) & (new_tokens > 0)[:, None] & ~refused
+  page = jnp.take_along_axis(grown.block_table, jnp.clip(j, 0, M - 1), axis=1)  # [B, J]
+  touched = touched & (page != NO_PAGE)
+  page = jnp.where(touched, page, P)  # out of range: gathers clipped, scatters dropped
+  gather = jnp.clip(page, 0, P - 1)
+  old = dequantize(pool[gather], scales[gather], jnp.float32)  # [B, J, K, S, H]
+  pos = j[:, :, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, None, :]  # [B, J, S]
+  t = pos - old_len[:, None, None]  # [B, J, S]: the new token at this slot, if t >= 0
+  new = jnp.take_along_axis(x.astype(jnp.float32), jnp.clip(t, 0, T - 1).reshape(B, -1)[
+      :, :, None, None], axis=1).reshape(B, J, ps, *x.shape[2:])  # [B, J, S, K, H]
+  new = jnp.einsum("BJSKH->BJKSH", new)
+  held = (pos < old_len[:, None, None])[:, :, None, :, None]  # [B, J, 1, S, 1]
+  valid = (pos < new_len[:, None, None])[:, :, None, :, None]
+  # where, not arithmetic: a stale page's NaN or scale must not reach the new one
+  page_x = jnp.where(held, old, jnp.where(valid, new, 0.0))
+  had = jnp.where(jnp.any(held, axis=(3, 4)), scales[gather], 0.0)  # [B, J, K]
+  q, scale = quantize(page_x, jnp.maximum(jnp.max(jnp.abs(page_x), axis=(3, 4)), 127.0 * had))
+  return (pool.at[page].set(q, mode="drop"), scales.at[page].set(scale, mode="drop"))
 
 
 def free(cache: PagedKVCache, rows) -> PagedKVCache:

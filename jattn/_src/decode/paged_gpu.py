@@ -119,6 +119,9 @@ def plan(call, platform: str):
   if call.mods_reason is not None:
     return call.mods_reason
   cache_dtype = call.cache_dtype or call.dtype
+  if "int8" in (cache_dtype, call.value_cache_dtype):
+    return ("int8 pages: the Triton kernel does not dequantize them yet ('split' and "
+            "'paged_tpu' do)")
   if cache_dtype not in _DTYPES:
     return f"it takes float32, bfloat16 or float16 pages, got {cache_dtype}"
   S = call.page_size

@@ -43,6 +43,8 @@ VMEM_BUDGET = 12 * 2**20
 # SMEM entries for the work list (two int32 arrays of B * max_pages).
 SMEM_ENTRIES = 1 << 15
 _DTYPES = ("float32", "bfloat16")
+# TPU tile rows of a page [page_size, 128 lanes] per dtype (sublanes x packing)
+_TILE_ROWS = {"float32": 8, "bfloat16": 16, "int8": 32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +69,15 @@ class Plan:
   score_uses_n: bool
   empty_pages: str
   interpret: bool
+  key_int8: bool = False
+  value_int8: bool = False
 
   def __str__(self):
+    int8 = " and ".join(n for n, q in (("keys", self.key_int8), ("values", self.value_int8))
+                        if q)
     return (f"Pallas TPU kernel over the pool: {self.step_pages} page(s) a step, "
+            + (f"int8 {int8} dequantized in the kernel (scales per page and kv head from "
+               f"SMEM), " if int8 else "") +
             f"{self.depth} steps in flight by DMA, "
             f"{self.splits} split(s) per row merged by log-sum-exp, the G = {self.G} query "
             f"heads of a kv head in one tile; only the pages each row needs, EMPTY pages "
@@ -110,24 +118,30 @@ def plan(call, platform: str):
     return call.mods_reason
   if call.return_max_logits:
     return "return_max_logits: the kernel does not write the max logits ('split' does)"
+  # int8 pages compute in the query's dtype (call.dtype), dequantized in the kernel
   cache_dtype = call.cache_dtype or call.dtype
-  if cache_dtype not in _DTYPES:
-    return f"it takes float32 or bfloat16 pages, got {cache_dtype}"
+  value_dtype = call.value_cache_dtype or cache_dtype
+  for got in (cache_dtype, value_dtype, call.dtype):
+    if got not in _DTYPES + ("int8",) or (got == "int8" and got == call.dtype):
+      return f"it takes float32, bfloat16 or int8 pages (float32 or bfloat16 queries), got {got}"
   if not call.interpret:
     if call.H % LANES or call.D % LANES:
       return (f"head dims H = {call.H}, D = {call.D}: the kernel's tiles [page_size, H] "
               f"span whole rows of the TPU's {LANES} lanes only when both are multiples "
               f"of 128")
-    rows = 16 if cache_dtype == "bfloat16" else 8
+    rows = max(_TILE_ROWS[cache_dtype], _TILE_ROWS[value_dtype])
     if call.page_size % rows:
-      return (f"page_size {call.page_size}: a {cache_dtype} page is a whole number of TPU "
-              f"tiles of {rows} rows only when page_size is a multiple of {rows}")
-  itemsize = np.dtype(jnp.dtype(cache_dtype)).itemsize
+      return (f"page_size {call.page_size}: a {cache_dtype}/{value_dtype} page is a whole "
+              f"number of TPU tiles of {rows} rows only when page_size is a multiple of "
+              f"{rows}")
+  key_size = np.dtype(jnp.dtype(cache_dtype)).itemsize
+  value_size = np.dtype(jnp.dtype(value_dtype)).itemsize
+  itemsize = np.dtype(jnp.dtype(call.dtype)).itemsize
   G = call.N // call.K
   U = min(call.pages_per_step or max(1, KEYS_PER_STEP // call.page_size), call.max_pages)
   while True:
     # a step's buffer [K, U S, H] in VMEM: K U tiles of [S, H] (S a whole number of tiles)
-    vmem = (DEPTH * U * call.K * call.page_size * (call.H + call.D) * itemsize
+    vmem = (DEPTH * U * call.K * call.page_size * (call.H * key_size + call.D * value_size)
             + 2 * call.K * G * call.T * (call.H * itemsize + call.D * 4 + 2 * LANES * 4
                                          + U * call.page_size * 4))
     if vmem <= VMEM_BUDGET or U == 1:
@@ -136,14 +150,18 @@ def plan(call, platform: str):
   if vmem > VMEM_BUDGET:
     return (f"{vmem / 2**20:.1f} MiB of VMEM for {DEPTH} pages in flight and the "
             f"accumulators, over the kernel's {VMEM_BUDGET // 2**20} MiB")
-  if call.B * call.max_pages > SMEM_ENTRIES:
-    return (f"a work list of B x max_pages = {call.B * call.max_pages} entries, over the "
-            f"{SMEM_ENTRIES} the kernel keeps in SMEM")
+  int8 = (cache_dtype == "int8", value_dtype == "int8")
+  # the work list, and each listed page's K scales per int8 pool, in SMEM
+  entries = call.B * call.max_pages * (2 + call.K * sum(int8))
+  if entries > 2 * SMEM_ENTRIES:
+    return (f"a work list of B x max_pages = {call.B * call.max_pages} pages"
+            + (f" and their int8 scales" if any(int8) else "")
+            + f": {entries} entries, over the {2 * SMEM_ENTRIES} the kernel keeps in SMEM")
   splits = 1 if call.B * call.K >= SPLIT_BELOW else 2
   return Plan(call.B, call.T, call.K, G, call.H, call.D, call.page_size, call.max_pages,
               call.is_causal, call.window, splits, DEPTH, U, call.num_pages,
               call.mods_uses_n[0],
-              call.mods_uses_n[1], _EMPTY_PAGES[call.mask], call.interpret)
+              call.mods_uses_n[1], _EMPTY_PAGES[call.mask], call.interpret, *int8)
 
 
 _EMPTY_PAGES = {"none": "(no mask_mod)", "closed form": "in closed form (jattn.mods)",
@@ -188,7 +206,7 @@ def run(p: Plan, query, cache, mods, options):
                                q_lengths=q_lengths, causal=p.causal, window=p.window, T=T,
                                N=N, W=W)
   pages, slots, counts = work_list(cache, needed)
-  dtype = cache.key_pages.dtype
+  dtype = query.dtype  # the pages' (float pages are the query's dtype; int8 ones: any)
   # [B, T, K, G, H] -> [B, K, G T, H]: a kv head's G heads and T queries, one tile
   q = jnp.einsum("BTKGH->BKGTH", query.reshape(B, T, K, G, H)).reshape(B, K, GT, H)
   q = q.astype(dtype)
@@ -204,8 +222,11 @@ def run(p: Plan, query, cache, mods, options):
         tile_mods.consts_meta(score_consts))
   smem = [kernel_inputs.flat(c) for c in mask_consts + score_consts]
   scalars = [pages, slots, counts, cache.lengths.astype(jnp.int32), q_first.astype(jnp.int32),
-             q_lengths.astype(jnp.int32), jnp.asarray(options["scale"], jnp.float32).reshape(1),
-             *smem]
+             q_lengths.astype(jnp.int32), jnp.asarray(options["scale"], jnp.float32).reshape(1)]
+  # int8 pools: each listed page's K scales [B * M * K], in list order (never the pool's)
+  scalars += [scales[pages].reshape(-1) for scales in (cache.key_scales, cache.value_scales)
+              if scales is not None]
+  scalars += smem
   whole = lambda shape: pl.BlockSpec(shape, lambda b, s, *_: (0,) * len(shape))
   stat = jax.ShapeDtypeStruct((B, p.splits, K, GT, LANES), jnp.float32)
   stat_spec = pl.BlockSpec((None, None, K, GT, LANES), lambda b, s, *_: (b, s, 0, 0, 0))
@@ -219,7 +240,7 @@ def run(p: Plan, query, cache, mods, options):
                     pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
           out_specs=[stat_spec, stat_spec,
                      pl.BlockSpec((None, None, K, GT, D), lambda b, s, *_: (b, s, 0, 0, 0))],
-          scratch_shapes=[pltpu.VMEM((p.depth, p.step_pages, K, S, H), dtype),
+          scratch_shapes=[pltpu.VMEM((p.depth, p.step_pages, K, S, H), cache.key_pages.dtype),
                           pltpu.VMEM((p.depth, p.step_pages, K, S, D), cache.value_pages.dtype),
                           pltpu.SemaphoreType.DMA((2, p.depth)),
                           pltpu.VMEM((K, GT, LANES), jnp.float32),

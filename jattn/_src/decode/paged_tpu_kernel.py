@@ -21,6 +21,13 @@ G heads. The mods are evaluated on each [G T, U S] tile by `tile_mods` at global
 positions: t of tile row r = g T + t_ is q_first[b] + t_, s = j S + column % S
 for the column's page u = column // S of table slot j.
 
+int8 pages arrive as int8 (the HBM and DMA bytes are the int8 ones) with their
+scales, per listed page and kv head, scalar-prefetched after the scale
+(`k_scales`, `v_scales` float32 [B * M * K], list order): the int8 tile is
+cast to the query's dtype (exact: |q| <= 127), the key scale multiplies the
+logits column by column (s = scale_k (q . k_int8)) and the value scale the
+probabilities before P V, so no dequantized page is ever written.
+
 Outputs: the split's partial softmax, relative to its own max, float32:
 m, l [K, G T, 128] (lane-replicated) and o [K, G T, D]; `paged_tpu` merges the
 splits by log-sum-exp and adds the sinks.
@@ -73,10 +80,13 @@ def kernel(*refs, p, tm):
   """p: the `paged_tpu.Plan`; tm: (mask jaxpr, mask meta, score jaxpr, score meta)."""
   mask_jaxpr, mask_meta, score_jaxpr, score_meta = tm
   pages, slots, counts, lengths, q_first, q_lengths, scale_ref = refs[:7]
+  refs = list(refs[7:])
+  k_scales = refs.pop(0) if p.key_int8 else None
+  v_scales = refs.pop(0) if p.value_int8 else None
   n_smem = len(mask_meta) + len(score_meta)
-  mask_refs, score_refs = refs[7:7 + len(mask_meta)], refs[7 + len(mask_meta):7 + n_smem]
+  mask_refs, score_refs = refs[:len(mask_meta)], refs[len(mask_meta):n_smem]
   (q_ref, rows_t_ref, rows_g_ref, k_hbm, v_hbm, m_ref, l_ref, o_ref, kbuf, vbuf, sem,
-   m_sc, l_sc, acc_sc) = refs[7 + n_smem:]
+   m_sc, l_sc, acc_sc) = refs[n_smem:]
   K, G, T, H, D, S, M = p.K, p.G, p.T, p.H, p.D, p.page_size, p.max_pages
   U = p.step_pages
   GT, depth, C = G * T, p.depth, U * S  # C: the keys of one step (U pages)
@@ -136,8 +146,17 @@ def kernel(*refs, p, tm):
       ok = ok & (lo_j * S >= last - p.window[0]) & (hi_j * S + S - 1 <= first + p.window[1])
     return ok
 
-  def attend(slot, keep, s_pos, valid_keys):
-    """Folds the step's keys in buffer `slot` into (m, l, acc) of every kv head; keep
+  def column_scales(ref, i, k):
+    """float32 [1, C]: the int8 scale of kv head k for each column of step i (its page's)."""
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, C), 1)
+    out = jnp.zeros((1, C), jnp.float32)
+    for u in range(U):
+      item = lo + jnp.minimum(i * U + u, jnp.maximum(n_items - 1, 0))
+      out = jnp.where((col >= u * S) & (col < u * S + S), ref[(b * M + item) * K + k], out)
+    return out
+
+  def attend(i, slot, keep, s_pos, valid_keys):
+    """Folds step i's keys in buffer `slot` into (m, l, acc) of every kv head; keep
     None: every key visible (no mask, no zeroing); else bool [GT, C] and the keys
     that hold data (columns < valid_keys; stale slots may hold NaN)."""
     rows_g = rows_g_ref[...] if keep is not None else None
@@ -151,13 +170,19 @@ def kernel(*refs, p, tm):
       q = q_ref[k]  # [GT, H]
       keys = kbuf[slot, :, k].reshape(C, H)  # [U, S, H] -> [C, H]
       values = vbuf[slot, :, k].reshape(C, D)
+      if p.key_int8:  # exact in bfloat16: the scale goes on the logits below
+        keys = keys.astype(jnp.float32).astype(q.dtype)
+      if p.value_int8:  # int8 holds no NaN: no zeroing needed below
+        values = values.astype(jnp.float32).astype(q.dtype)
       x = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=_precision(q),
-                              preferred_element_type=jnp.float32) * scale
+                              preferred_element_type=jnp.float32)
+      x = x * (scale * column_scales(k_scales, i, k) if p.key_int8 else scale)
       keep_k = keep
       if keep is not None:
         # 0 * NaN is not 0: the slots past the length and the pages not fetched
         rows = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-        values = jnp.where(rows < valid_keys, values, jnp.zeros((), values.dtype))
+        if not p.value_int8:
+          values = jnp.where(rows < valid_keys, values, jnp.zeros((), values.dtype))
         if score_jaxpr is not None:
           x = _per_head(lambda n: tile_mods.evaluate(
               score_jaxpr, score_meta, _reader(score_refs, score_meta),
@@ -177,6 +202,8 @@ def kernel(*refs, p, tm):
       if keep is not None:
         prob = jnp.where(keep_k, prob, 0.0)
       l_sc[k] = alpha * l_sc[k] + jnp.sum(prob, axis=1, keepdims=True)
+      if p.value_int8:  # sum_s p_s (scale_s v_s): the scale on the probabilities
+        prob = prob * column_scales(v_scales, i, k)
       prob = prob.astype(values.dtype)
       pv = jax.lax.dot_general(prob, values, (((1,), (0,)), ((), ())),
                                precision=_precision(prob),
@@ -203,7 +230,7 @@ def kernel(*refs, p, tm):
       keep = keep & (s_pos <= t_pos)
     if p.window is not None:
       keep = keep & (s_pos >= t_pos - p.window[0]) & (s_pos <= t_pos + p.window[1])
-    attend(slot, keep, s_pos, valid_keys)
+    attend(i, slot, keep, s_pos, valid_keys)
 
   def body(i, carry):
     slot = jax.lax.rem(i, depth)
@@ -213,7 +240,7 @@ def kernel(*refs, p, tm):
       attend_masked(i, slot)
     else:
       whole = visible_whole(i)
-      pl.when(whole)(lambda: attend(slot, None, None, None))
+      pl.when(whole)(lambda: attend(i, slot, None, None, None))
       pl.when(~whole)(lambda: attend_masked(i, slot))
     return carry
 

@@ -41,7 +41,8 @@ class DecodeCall:
   return_max_logits: run also returns the max logits [B, T, N] (a plan that cannot
   refuses the call).
   mods_reason: why a kernel cannot evaluate the mods on a tile, or None;
-  mods_uses_n: (mask_mod reads n, score_mod reads n); cache_dtype: the key pages'.
+  mods_uses_n: (mask_mod reads n, score_mod reads n); cache_dtype, value_cache_dtype:
+  the key and value pages' (int8: quantized pages, dequantized by their scales).
   """
 
   B: int
@@ -65,6 +66,7 @@ class DecodeCall:
   mods_reason: str | None = None
   mods_uses_n: tuple[bool, bool] = (False, False)
   cache_dtype: str = ""
+  value_cache_dtype: str = ""
 
 
 def kernel_facts(mods, cache) -> dict:
@@ -72,7 +74,8 @@ def kernel_facts(mods, cache) -> dict:
   `pallas_interpret()`), what the tile evaluator makes of the mods, the pages' dtype."""
   reason, mask_n, score_n = _paged_tpu.mods_facts(mods)
   return dict(interpret=interpreting(), mods_reason=reason, mods_uses_n=(mask_n, score_n),
-              cache_dtype=str(cache.key_pages.dtype))
+              cache_dtype=str(cache.key_pages.dtype),
+              value_cache_dtype=str(cache.value_pages.dtype))
 
 
 def default_pages_per_step(N: int, T: int, page_size: int) -> int:

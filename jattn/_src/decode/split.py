@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jattn._src.decode import paged_cache as _paged
 from jattn._src.decode import tile as _tile
 from jattn._src.decode import work_list as _work_list
 
@@ -98,7 +99,8 @@ def split(query, cache, mods, *, q_lengths, causal: bool, window, scale, pages_p
     page = cache.block_table[r, j]  # [W]: pool pages, all in the list
     s_pos = j[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]  # [W, S]
     s_valid = (s_pos < cache.lengths[r][:, None]) & valid[:, None]
-    partial = _tile.tile(q[r], cache.key_pages[page], cache.value_pages[page], mods, rows=r,
+    keys, values = _paged.read_pages(cache, page, q.dtype)  # int8 pages dequantized
+    partial = _tile.tile(q[r], keys, values, mods, rows=r,
                          q_pos=q_pos[r], q_valid=q_valid[r], s_pos=s_pos, s_valid=s_valid,
                          causal=causal, window=window, scale=scale)
     return _tile.merge(carry, *partial, r, B)
@@ -118,9 +120,10 @@ def dense(query, cache, mods, *, q_lengths, causal: bool, window, scale, dtype,
   table = cache.block_table
   page = jnp.clip(table, 0, cache.num_pages - 1)  # [B, M]; a missing page is masked below
   # [B, M, K, S, H] -> [B, K, M S, H]: each row's keys of a head in table order
-  keys = jnp.einsum("BMKSH->BKMSH", cache.key_pages[page]).reshape(
+  keys, values = _paged.read_pages(cache, page, q.dtype)  # int8 pages dequantized
+  keys = jnp.einsum("BMKSH->BKMSH", keys).reshape(
       (B, cache.key_pages.shape[1], M * ps, cache.key_pages.shape[3]))
-  values = jnp.einsum("BMKSD->BKMSD", cache.value_pages[page]).reshape(
+  values = jnp.einsum("BMKSD->BKMSD", values).reshape(
       (B, cache.value_pages.shape[1], M * ps, cache.value_pages.shape[3]))
   s_pos = jnp.broadcast_to(jnp.arange(M * ps, dtype=jnp.int32), (B, M * ps))  # [B, S]
   s_valid = (s_pos < cache.lengths[:, None]) & jnp.repeat(table >= 0, ps, axis=1)

@@ -63,7 +63,7 @@ def _progress_bar(total: int, progress: bool | None):
 
 
 def generate(model, prompts, prompt_lengths, max_new_tokens: int, rng, *, temperature,
-             eos_id, page_size, num_pages, progress):
+             eos_id, page_size, num_pages, progress, cache_dtype=None):
   """See `Transformer.generate`."""
   prompts = jnp.asarray(prompts)
   if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
@@ -81,7 +81,8 @@ def generate(model, prompts, prompt_lengths, max_new_tokens: int, rng, *, temper
     raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
   if num_pages is None:  # each row's prompt and new tokens, in whole pages
     num_pages = int(np.sum(-(-(lengths + max_new_tokens) // page_size)))
-  model.init_cache(B, T + max_new_tokens, paged=True, page_size=page_size, num_pages=num_pages)
+  model.init_cache(B, T + max_new_tokens, paged=True, page_size=page_size, num_pages=num_pages,
+                   cache_dtype=cache_dtype)
   graphdef, caches, params = nnx.split(model, nnx.Cache, ...)
   eos = jnp.int32(-1 if eos_id is None else eos_id)
   temperature = jnp.float32(temperature)

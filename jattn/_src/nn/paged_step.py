@@ -53,7 +53,9 @@ def step(cache, query, key, value, lengths, *, layout: str, is_causal: bool, mas
   new = _kv_cache.check_lengths(lengths, key.shape[0], key.shape[1])
   cache = _paged.append(cache, key, value, new)
   # the cache keeps its own dtype (append casts the keys and values to it); the query
-  # joins it, as decode_attention takes one dtype
-  out = decode_attention(query.astype(cache.key_pages.dtype), cache, query_lengths=new, is_causal=is_causal,
+  # joins its float pages, as decode_attention takes one dtype (int8 pages: any)
+  floats = [p.dtype for p in (cache.key_pages, cache.value_pages) if p.dtype != jnp.int8]
+  out = decode_attention(query.astype(floats[0] if floats else query.dtype), cache,
+                         query_lengths=new, is_causal=is_causal,
                          mask_mod=mask_mod, score_mod=score_mod, sinks=sinks)
   return cache, jnp.einsum(_OUT[layout], out.astype(query.dtype))
