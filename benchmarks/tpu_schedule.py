@@ -146,6 +146,13 @@ def paths(kind: str, sched: Schedule) -> dict:
   ("flex": regions init, FULL, PARTIAL, finish; "splash": init, run, finish)."""
   names = {"flex": ("init", "full", "partial", "finish"),
            "splash": ("init", "run", "finish")}[kind]
+  if kind == "flex" and len(sched.regions) == 2:
+    # a call with no mask: every tile FULL, so the compiler keeps no PARTIAL path and
+    # runs the tile unpredicated: the step is the loop's whole body less init and finish
+    size = {n: end - start for n, (_, start, end) in zip(("init", "finish"), sched.regions)}
+    step = sched.body - sum(size.values())
+    return dict(loop_overhead=step, init=size["init"], finish=size["finish"],
+                launch=sched.total - sched.body, full=step, partial=step, empty=step)
   if len(sched.regions) != len(names):
     raise ValueError(f"{kind} kernel: expected {len(names)} predicated regions "
                      f"{names}, the schedule has {len(sched.regions)}: {sched.as_dict()}")
@@ -182,6 +189,8 @@ def call_kwargs(case: str, T: int, N: int):
   import numpy as np
   import jattn
   causal = dict(is_causal=True)
+  if case == "none":  # no mask: every tile FULL
+    return {}
   if case == "causal":
     return causal
   if case == "window":
@@ -198,8 +207,8 @@ def call_kwargs(case: str, T: int, N: int):
   raise ValueError(case)
 
 
-FLEX_CASES = ("causal", "window", "documents", "softcap", "alibi", "relbias")
-SPLASH_CASES = ("causal", "window", "documents")
+FLEX_CASES = ("none", "causal", "window", "documents", "softcap", "alibi", "relbias")
+SPLASH_CASES = ("none", "causal", "window", "documents", "softcap")
 # the kernels' names in the dump (regular expressions): splash names its kernels by
 # heads (mha, or mqa for grouped heads), segment ids and residuals
 KERNELS = {"flex_tpu": {"fwd": "jattn_flex_tpu_fwd", "dq": "jattn_flex_tpu_dq",
@@ -216,7 +225,8 @@ def _fingerprint(impl, *parts) -> str:
   edits leave splash's compiles cached, and the other way round)."""
   kernels = ROOT / "jattn/_src/kernels"
   src = ([kernels / f"{f}.py" for f in ("flex_tpu_kernels", "flex_tpu", "tile_mods",
-                                        "tile_classes", "kernel_plan")]
+                                        "tile_classes", "kernel_plan", "kernel_vjp",
+                                        "flex_tpu_call")]
          if impl == "flex_tpu" else
          [ROOT / "jattn/_src/impl/fused.py", ROOT / "jattn/_src/impl/splash_mask.py"])
   h = hashlib.sha256(repr((_COMPILE_VERSION, impl) + parts).encode())
@@ -329,10 +339,13 @@ def flex_counts(case, T, N, K, H):
   p = flex_tpu.plan(B=1, T=T, S=T, N=N, K=K, H=H, D=H, dtype=jnp.bfloat16, modifiers=m)
   if isinstance(p, str):
     raise RuntimeError(f"flex_tpu refuses {case}: {p}")
-  classes = np.asarray(tile_classes(p, None if mods is None else mods.traced()))
+  from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL
+  if p.is_causal or p.window is not None or p.has_mask_mod:
+    classes = np.asarray(tile_classes(p, None if mods is None else mods.traced()))
+  else:  # no mask: every tile FULL
+    classes = np.full((1, 1, p.T_padded // p.block_q, p.S_padded // p.block_kv), FULL)
   classes = np.broadcast_to(classes, (1, N) + classes.shape[2:])
   nq, nk = classes.shape[2:]
-  from jattn._src.masks.closed_form_blocks import EMPTY, FULL, PARTIAL
   full, partial = int((classes == FULL).sum()), int((classes == PARTIAL).sum())
   # the grid's inner extent: each row's non-empty tiles only, padded to the widest row
   # (`tile_classes.grid_widths`), or every tile (a kernel without it)
