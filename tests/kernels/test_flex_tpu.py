@@ -103,9 +103,10 @@ def test_alibi_slopes_from_smem_and_prefix_lm_lengths():
 
 
 def test_only_a_differentiated_call_pays_for_the_float32_residual(monkeypatch):
-  """ALiBi reads a float array: under jax.grad the forward writes the float32 out (P V in
-  float32) that the slopes' gradient needs; a call nothing differentiates runs the plain
-  forward (on v5e its FULL tile is about 1.4x cheaper: docs/tpu_kernel.md)."""
+  """ALiBi reads a float array: under jax.grad into it the forward writes the float32 out
+  (P V in float32) that the slopes' gradient needs; a call nothing differentiates, or
+  one differentiated into q, k, v only, runs the plain forward (on v5e its FULL tile is
+  about 1.4x cheaper: docs/tpu_kernel.md)."""
   from jattn._src.kernels import flex_tpu_kernels
   asked, real = [], flex_tpu_kernels.forward
 
@@ -126,6 +127,9 @@ def test_only_a_differentiated_call_pays_for_the_float32_residual(monkeypatch):
                              reference_attention(q, k, v, bias, allowed), atol=2e-2)
   jax.grad(lambda slopes: f(q, slopes).astype(jnp.float32).sum())(slopes)
   assert asked[1:] == [True]
+  # differentiated, but not into the slopes (ALiBi's fixed slopes): no residual either
+  jax.grad(lambda q: f(q, slopes).astype(jnp.float32).sum())(q)
+  assert asked[2:] == [False]
 
 
 def test_traced_soft_cap_chunks_sinks_and_bfloat16():

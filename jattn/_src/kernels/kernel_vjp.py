@@ -8,10 +8,12 @@ from the blockwise backward.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jattn._src.core.layout import Layout
 from jattn._src.kernels import blockwise_loop
@@ -107,7 +109,30 @@ def kernel_run(forward, backward, primal=None):
     return (d_q.astype(query.dtype), d_k.astype(key.dtype), d_v.astype(value.dtype),
             modifiers.gradients(bias=None, mods=d_mods))
 
-  attention.defvjp(attention_fwd, attention_bwd)
+  def attention_fwd_symbolic(plan, layout, query, key, value, modifiers):
+    # jax says which inputs the gradient flows into (`perturbed`): the float32 residual
+    # is for score_mod's captured float arrays only, so a differentiated call whose
+    # arrays are constants (ALiBi's fixed slopes) runs the primal forward too
+    perturbed = any(x.perturbed for x in jax.tree.leaves(
+        modifiers.mods.score_consts if modifiers.mods is not None else (),
+        is_leaf=_is_primal))
+    query, key, value, modifiers = jax.tree.map(
+        lambda x: x.value, (query, key, value, modifiers), is_leaf=_is_primal)
+    outs, residuals = attention_fwd(plan, layout, query, key, value, modifiers,
+                                    forward if perturbed else primal or forward)
+    # the pytree's structure is static: () marks arrays that want gradients, None not
+    return outs, (residuals, () if perturbed else None)
+
+  def attention_bwd_symbolic(plan, layout, residuals, cotangents):
+    residuals, perturbed = residuals
+    if perturbed is None:  # no read gradient wanted: the backward computes none
+      plan = dataclasses.replace(plan, score_reads=())
+    d_out = cotangents[0]
+    if isinstance(d_out, SymbolicZero):  # out unused: nothing flows back
+      d_out = jnp.zeros(d_out.shape, d_out.dtype)
+    return attention_bwd(plan, layout, residuals, (d_out,) + tuple(cotangents[1:]))
+
+  attention.defvjp(attention_fwd_symbolic, attention_bwd_symbolic, symbolic_zeros=True)
 
   def run(plan, query, key, value, modifiers, layout: Layout):
     if modifiers.mods is not None:
@@ -118,6 +143,10 @@ def kernel_run(forward, backward, primal=None):
     return out, None, without_batch(lse, layout), max_logits
 
   return run
+
+
+def _is_primal(x) -> bool:
+  return isinstance(x, CustomVJPPrimal)
 
 
 def _accumulator_out(plan, layout: Layout, query, key, value, modifiers, out):
