@@ -65,7 +65,7 @@ def dot_product_attention(
     implementation: None (the fastest correct one for the platform and shape:
       on CPU "blockwise" from T * S >= 128 * 128 and "xla" below; on GPU
       "cudnn", else "flex_gpu", else "flex_mgpu", else "pallas", where they
-      apply; on TPU "splash", else "flex_tpu"; then "xla" or "blockwise" by the
+      apply; on TPU "flex_tpu", else "splash"; then "xla" or "blockwise" by the
       logits' size; see `jattn/_src/impl/registry.py`), "xla" (einsum), "vmap"
       (single-head attention under jax.vmap), "blockwise" (flash-style, memory
       linear in T and S, no weights), "cudnn" (jax.nn's fused GPU kernel),

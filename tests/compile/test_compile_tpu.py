@@ -100,7 +100,7 @@ def test_every_dtype_and_head_size_with_the_default_choice(dtype, H):
   f16 = dtype == "float16"
   case = Case(T=512 if f16 else 1024, H=H, dtype=dtype, masks=("causal",))
   chosen, report = compile_case(case, None, _gen(DTYPE_HEADS.index((dtype, H))), grad=not f16)
-  assert chosen == ("xla" if f16 else "splash"), report
+  assert chosen == ("xla" if f16 else "flex_tpu"), report
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -9,7 +9,7 @@ import jattn
 
 
 @pytest.mark.parametrize("target, kw, kernel", [
-    ("v5e", dict(is_causal=True), "splash_mha_fwd"),
+    ("v5e", dict(is_causal=True), "jattn_flex_tpu_fwd"),
     ("v6e", dict(score_mod=jattn.mods.alibi(jnp.linspace(0.1, 0.8, 8))), "jattn_flex_tpu_fwd"),
     ("tpu7x", dict(mask_mod=jattn.mods.causal(), implementation="xla"), None),
 ])

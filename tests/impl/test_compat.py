@@ -62,12 +62,15 @@ def test_every_api_is_there_and_a_missing_one_is_named(api, how, monkeypatch):
 
 
 T = 256
+SEGMENTS = dict(is_causal=True, q_segment_ids=jnp.zeros((1, T), jnp.int32),
+                kv_segment_ids=jnp.zeros((1, T), jnp.int32))
 # api -> (the implementation that needs it, the platform, a call it takes when the API
 # is there, the implementation=None choice then, and without the API)
 CASES = {
-    "splash_kernel": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
-    "splash_mask": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
-    "splash_computable_mask": ("splash", "tpu", dict(is_causal=True), "splash", "flex_tpu"),
+    # segment ids: flex_tpu refuses them, so splash takes them
+    "splash_kernel": ("splash", "tpu", SEGMENTS, "splash", "xla"),
+    "splash_mask": ("splash", "tpu", SEGMENTS, "splash", "xla"),
+    "splash_computable_mask": ("splash", "tpu", SEGMENTS, "splash", "xla"),
     # pallas is the default on CUDA where flex_gpu refuses: a traced scale
     "pallas_mha": ("pallas", "cuda", dict(is_causal=True, scale=jnp.float32(0.125)), "pallas",
                    "xla"),

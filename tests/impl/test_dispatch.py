@@ -118,7 +118,7 @@ def test_explain_calls_records_each_call_inside_the_block_only():
   jattn.dot_product_attention(Q, Q, Q, implementation="xla")  # after the block: not recorded
   assert len(reports) == 2
   assert reports[0].implementation("cpu") == "xla" and reports[0].implementation("tpu") == "xla"
-  assert reports[1].implementation("tpu") == "splash"
+  assert reports[1].implementation("tpu") == "flex_tpu"
   with jattn.explain_calls() as inner:
     pass
   assert inner == []

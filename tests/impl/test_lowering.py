@@ -29,12 +29,12 @@ IDS = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [100, 200, 340], axis=1).astyp
 # name -> (kwargs, kv heads, {platform: the fused kernel expected, or None})
 # issue 23's cases (jax's kernels), then issue 24's (jattn's own TPU kernel)
 CASES = {
-    "causal": (dict(is_causal=True), K, {"tpu": "splash", "cuda": "flex_gpu"}),
+    "causal": (dict(is_causal=True), K, {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "window_segments": (dict(local_window_size=(64, 0), q_segment_ids=IDS,
                              kv_segment_ids=IDS), K, {"tpu": "splash", "cuda": "flex_gpu"}),
-    "grouped_heads": (dict(), 1, {"tpu": "splash", "cuda": "flex_gpu"}),
+    "grouped_heads": (dict(), 1, {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "soft_cap_sinks": (dict(is_causal=True, score_mod=mods.soft_cap(20.0),
-                            sinks=jnp.linspace(-1.0, 1.0, N)), K, {"tpu": "splash", "cuda": "flex_gpu"}),
+                            sinks=jnp.linspace(-1.0, 1.0, N)), K, {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "alibi": (dict(is_causal=True, score_mod=mods.alibi(jnp.linspace(0.1, 0.4, N))), K,
               {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "prefix_lm": (dict(mask_mod=mods.prefix_lm(jnp.array([100, 7]))), K,
@@ -191,9 +191,11 @@ def test_explain_reports_plans_and_reasons_for_every_platform():
   text = str(report)
   assert "tpu: flex_tpu" in text and "not cudnn: it cannot honour mask_mod" in text
   assert "why: flex_tpu before splash for mods.document" in text
-  # causal alone: splash first, as before, with no why
+  # causal alone: flex_tpu too (one kernel for every mask), with the schedule's figures
   causal = jattn.explain(q, q, q, is_causal=True)
-  assert causal.implementation("tpu") == "splash" and causal.choices["tpu"].why is None
+  assert causal.implementation("tpu") == "flex_tpu"
+  assert causal.choices["tpu"].why.startswith("flex_tpu before splash: one kernel for every")
+  assert causal.choices["cuda"].why is None
   # a local window on TPU: flex_tpu first (its grid runs only the window's tiles), says why
   window = jattn.explain(q, q, q, is_causal=True, local_window_size=(255, 0))
   assert window.implementation("tpu") == "flex_tpu"

@@ -116,7 +116,8 @@ def test_splash_against_float64_reference(case, layout):
   else:
     masks = kw = dict(q_segment_ids=NO_KEY_IDS, kv_segment_ids=OTHER_IDS[:1])
   arrays = [jnp.asarray(to_layout(x, layout)) for x in (q, k, v)]
-  assert jattn.explain(*arrays, layout=layout, **kw).implementation("tpu") == "splash"
+  assert jattn.explain(*arrays, layout=layout, implementation="splash",
+                       **kw).implementation("tpu") == "splash"  # splash takes the call
   with pallas_interpret():
     (_, out), grads = _loss("splash", layout, kw)(*arrays)
   d_out = np.cos(np.arange(out.size, dtype=np.float32).reshape(out.shape))
@@ -177,8 +178,10 @@ def test_splash_without_interpret_on_cpu_names_the_platform():
 
 
 @pytest.mark.parametrize("platform, dtype, kw, expected", [
-    ("tpu", jnp.float32, dict(is_causal=True), "splash"),
-    ("tpu", jnp.bfloat16, dict(mask_mod=mods.sliding_window(8)), "splash"),
+    # flex_tpu first for every mask (the TPU compiler's schedule: registry.preference)
+    ("tpu", jnp.float32, dict(is_causal=True), "flex_tpu"),
+    ("tpu", jnp.bfloat16, dict(mask_mod=mods.sliding_window(8)), "flex_tpu"),
+    ("tpu", jnp.bfloat16, dict(q_segment_ids=IDS, kv_segment_ids=IDS), "splash"),
     ("tpu", jnp.float32, dict(bias=np.zeros((1, 1, T, T), np.float32)), "xla"),
     ("tpu", jnp.float32, dict(return_weights=True), "xla"),
     ("cuda", jnp.bfloat16, dict(is_causal=True), "cudnn"),

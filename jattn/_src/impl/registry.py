@@ -155,7 +155,10 @@ def preference(call, platform: str) -> tuple[str, ...]:
     return ("xla", "blockwise") if small else ("blockwise", "xla")
   fits = 4 * d.B * d.N * d.T * d.S <= ACCELERATOR_XLA_LOGITS_BYTES
   generic = ("xla", "blockwise") if fits else ("blockwise", "xla")
-  # splash first on TPU: jax's tuned kernel, until a TPU benchmark says otherwise.
+  # TPU: flex_tpu first for every mask, splash where flex_tpu refuses. By the TPU
+  # compiler's schedule (benchmarks/tpu_schedule.py, docs/tpu_kernel.md; estimates, no
+  # TPU has run it) flex_tpu is at 0.88x to 0.99x of splash's time with no mask, causal
+  # and a window, and 0.15x to 0.43x with documents (splash skips no tile between them).
   # CUDA, measured on an H200 (benchmarks/results/gpu_h200_bench.json, bfloat16, H = 128,
   # T = 4k and 16k): cuDNN fastest wherever it applies; flex_gpu before jax's Pallas mha,
   # which is 1.6x (causal) to 2x (no mask) slower forward + backward and, with document
@@ -166,10 +169,8 @@ def preference(call, platform: str) -> tuple[str, ...]:
   # runs only when named: its backward kernels are unchecked on a card, the interpreter
   # hangs on some document masks (docs/gpu_kernel.md), and an export from a CPU host
   # cannot tell a Hopper target from an Ampere one.
-  kernels = {"tpu": ("splash", "flex_tpu"),
+  kernels = {"tpu": ("flex_tpu", "splash"),
              "cuda": ("cudnn", "flex_gpu", "flex_mgpu", "pallas")}.get(platform, ())
-  if platform == "tpu" and (_documents(call) or _window(call)):
-    kernels = ("flex_tpu", "splash")  # see why_first
   return kernels + generic
 
 
@@ -185,17 +186,22 @@ def _documents(call) -> bool:
 
 def why_first(call, platform: str, name: str) -> str | None:
   """Why `preference` puts `name` before a kernel that could also take the call, in words
-  (`jattn.explain` shows it), or None where the order is the platform's usual one."""
-  if platform == "tpu" and name == "flex_tpu" and _documents(call):
+  (`jattn.explain` shows it), or None where no other kernel competes for it."""
+  if platform != "tpu" or name != "flex_tpu":
+    return None
+  estimate = "estimated from the TPU compiler's schedule (benchmarks/tpu_schedule.py), not "
+  if _documents(call):
     return ("flex_tpu before splash for mods.document masks: splash applies segment ids "
             "on every tile and skips none, flex_tpu skips the tiles between documents; "
-            "estimated from the TPU compiler's schedule at 0.16x to 0.44x of splash's time "
-            "(v5e, v6e; 16 documents, T = 4k and 16k; benchmarks/tpu_schedule.py), not "
-            "measured on a TPU")
-  if platform == "tpu" and name == "flex_tpu" and _window(call):
+            + estimate + "measured on a TPU: 0.15x to 0.43x of splash's time (v5e, v6e; 16 "
+            "documents, H = 128 and 256, T = 4k and 16k)")
+  if _window(call):
     return ("flex_tpu before splash for a local_window_size: its grid runs only each row's "
-            "tiles in the window and a window's partial tile tests one bound; estimated from "
-            "the TPU compiler's schedule at 0.97x to 1.04x of splash's time, forward and "
-            "forward + backward (v5e, v6e; causal, a 1024-token window, T = 4k and 16k; "
-            "benchmarks/tpu_schedule.py), not measured on a TPU")
-  return None
+            "tiles in the window and a window's partial tile tests one bound; " + estimate
+            + "measured on a TPU: 0.94x to 1.02x of splash's time, forward and forward + "
+            "backward (v5e, v6e; causal, a 1024-token window, H = 128 and 256, T = 4k and "
+            "16k)")
+  return ("flex_tpu before splash: one kernel for every mask, splash where flex_tpu refuses; "
+          + estimate + "measured on a TPU: 0.88x to 0.99x of splash's time with no mask or "
+          "causal, forward, and 0.91x to 1.02x forward + backward (v5e, v6e; H = 128 and "
+          "256; T = 4k and 16k)")
