@@ -73,8 +73,14 @@ def case(name, mesh, T, S, *, layout, is_causal, load_balance=True, mask_mod=Non
         key_value_seq_lengths=jnp.asarray(KV_LENGTHS), mask_mod=mask_mod,
         block_sizes=jattn.BlockSizes(q=2, kv=3), return_residual=True)
 
-  out, pullback, lse = jax.vjp(ring, to(q), to(k), to(v), has_aux=True)
-  got = [back(x) for x in (out, *pullback(to(d_out)))]
+  def values_grads_lse(q, k, v, d_out):
+    out, pullback, lse = jax.vjp(ring, q, k, v, has_aux=True)
+    return out, pullback(d_out), lse
+
+  # one jitted program, forward and backward: called eagerly the ring compiles its
+  # forward and backward afresh at every call (tests/multidevice/compare.py)
+  out, grads, lse = jax.jit(values_grads_lse)(to(q), to(k), to(v), to(d_out))
+  got = [back(x) for x in (out, *grads)]
   lse_letters = layout.replace("H", "")  # [B, N, T] in the columns layout
   lse = np.einsum(f"{lse_letters}->BNT", np.asarray(lse, np.float64))
   scale = lambda w: max(1.0, np.max(np.abs(w)))

@@ -80,11 +80,14 @@ def test_paged_equals_the_dense_cache():
   x = jax.random.normal(jax.random.key(1), (B, L, F), jnp.float32)
   m = jattn.nnx.MultiHeadAttention(4, F, num_kv_heads=1, rngs=nnx.Rngs(1))
   kwargs = _MODS["window_alibi"]
+  # in jit: called eagerly, the paged path's blockwise scan compiles afresh at every step
+  # (a new closure each call), about 1.3 s a token here
+  step = nnx.jit(lambda m, inputs, new: m(inputs, is_causal=True, decode=True, lengths=new,
+                                          **kwargs))
   outs = {}
   for paged in (False, True):
     m.init_cache(B, 16, **(dict(paged=True, page_size=4) if paged else {}))
-    outs[paged] = _decode(lambda inputs, new: m(inputs, is_causal=True, decode=True,
-                                                lengths=new, **kwargs), x, chunk=2)
+    outs[paged] = _decode(lambda inputs, new: step(m, inputs, new), x, chunk=2)
   np.testing.assert_allclose(outs[True], outs[False], rtol=2e-5, atol=2e-5)
 
 
