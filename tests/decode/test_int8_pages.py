@@ -8,8 +8,6 @@ then chunks of 3 and single tokens, so pages fill over several calls and are
 requantized when a later token raises their amax.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,7 @@ import jattn
 from jattn._src.impl.interpret import pallas_interpret
 from tests.decode.test_decode_attention import (B, CASES, FINAL, MAX_LENGTH, NUM_PAGES, PAGE,
                                                 PROMPT, K, N, _data, _s, _t)
+from tests.decode.test_paged_tpu import _tpu_devices
 from tests.helpers import raises
 from tests.reference import reference_mods
 
@@ -226,15 +225,6 @@ class _Exact:
 
   def dequantized(self):
     return self.pages.astype(np.float64)
-
-
-def _tpu_devices(generation):
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  try:
-    from jax.experimental import topologies
-    return topologies.get_topology_desc(f"{generation}=1x1", "tpu").devices
-  except Exception as e:  # no libtpu (jax 0.10.2's venv): nothing to compile with
-    pytest.skip(f"no deviceless TPU compiler here: {type(e).__name__}: {e}")
 
 
 @pytest.mark.compile
