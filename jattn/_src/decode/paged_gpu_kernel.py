@@ -26,8 +26,8 @@ each key's scale is gathered by the same page id as the key, the int8 tile is
 cast to the query's dtype (exact: |q| <= 127), the key scale multiplies the
 logits column by column (s = scale_k (q . k_int8)) and the value scale the
 probabilities before P V (sum_s p_s scale_s v_s); l sums the unscaled
-probabilities. An unread key loads scale 0 (a NaN scale of a free page is never
-read).
+probabilities. An unread key's scale loads as 0 (its page id is always one of the
+row's listed pages, never a free page's NaN scale, so this is belt and braces).
 
 Outputs: the chunk's partial softmax, relative to its own max, float32: m, l
 [R] and o [R, D], written only by a chunk that read a page (the caller keeps
@@ -125,8 +125,10 @@ def kernel(*refs, p, tm):
     page = pages[entry]
     s_pos = slots[entry] * S + in_page  # [W S]: global key positions
     read = listed & (s_pos < length)  # slots past the length may hold stale NaN: unread
-    keys = plgpu.load(_at_page(k_pool, page, in_page, k), mask=read[:, None], other=0)
-    values = plgpu.load(_at_page(v_pool, page, in_page, k), mask=read[:, None], other=0)
+    keys = plgpu.load(_at_page(k_pool, page, in_page, k), mask=read[:, None],
+                      other=0 if p.key_int8 else 0.0)
+    values = plgpu.load(_at_page(v_pool, page, in_page, k), mask=read[:, None],
+                        other=0 if p.value_int8 else 0.0)
     column_scale = scale  # the logits' scale, times each key's page scale for int8 keys
     if p.key_int8:  # exact in the query's dtype: the page scale goes on the logits
       keys = keys.astype(q.dtype)
@@ -156,11 +158,11 @@ def kernel(*refs, p, tm):
     shift = jnp.where(m_next > LARGE_NEGATIVE, m_next, 0.0)
     probs = jnp.where(keep, jnp.exp(x - shift[:, None]), 0.0)
     alpha = jnp.exp(m - m_next)
-    l = alpha * l + jnp.sum(probs, axis=1)
-    if p.value_int8:  # sum_s p_s (scale_s v_s): the page scale on the probabilities
-      probs = probs * _page_scales(v_scales, page, k, read)[None, :]
-    acc = acc * alpha[:, None] + _dot(probs.astype(values.dtype), values, ((1,), (0,)))
-    return acc, m_next, l
+    weights = probs  # sum_s p_s (scale_s v_s): an int8 page's scale on the probabilities
+    if p.value_int8:
+      weights = probs * _page_scales(v_scales, page, k, read)[None, :]
+    acc = acc * alpha[:, None] + _dot(weights.astype(values.dtype), values, ((1,), (0,)))
+    return acc, m_next, alpha * l + jnp.sum(probs, axis=1)
 
   init = (jnp.zeros((R, p.D), jnp.float32), jnp.full((R,), LARGE_NEGATIVE, jnp.float32),
           jnp.zeros((R,), jnp.float32))
