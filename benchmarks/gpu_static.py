@@ -10,7 +10,8 @@ kernels of `flex_mgpu.ws_dq()` / `ws_dkv()`), each case's `jax.grad` program is 
 by `jattn._src.deviceless_cuda` (no GPU), and for paged_gpu's decode kernel (Triton) one
 `decode_attention` step of benchmarks/decode.py's batch (B = 8 rows of up to 32k, pages
 of 64, N = 16, K = 4, the --H and --dtype given; causal and soft_cap: it takes no
-documents); the compilers' own output is read:
+documents; the case int8: causal over int8 pages, --dtype queries, paged_gpu only); the
+compilers' own output is read:
   registers per thread, spill stores / loads, barriers   ptxas -v (Mosaic GPU: its own
                                                          ptxas log, MOSAIC_GPU_DUMP_PTXAS;
                                                          Triton: ptxas -v -O3 run here on the
@@ -100,8 +101,9 @@ def case_kwargs(case: str, B: int, T: int, N: int) -> dict:
 
 
 def decode_program(case: str, *, H, dtype):
-  """paged_gpu's forward decode step (it has no backward): causal, soft_cap (causal)."""
-  if case not in ("causal", "soft_cap"):
+  """paged_gpu's forward decode step (it has no backward): causal, soft_cap (causal),
+  int8 (causal over int8 pages, the queries in `dtype`)."""
+  if case not in ("causal", "soft_cap", "int8"):
     raise ValueError(f"paged_gpu takes no per-token arrays: case {case!r} is not compiled")
   kw = dict(is_causal=True)
   if case == "soft_cap":
@@ -109,7 +111,7 @@ def decode_program(case: str, *, H, dtype):
   d = DECODE
   cache = jax.eval_shape(lambda: jattn.paged.init_cache(
       d["B"], d["max_length"], num_kv_heads=d["K"], head_dim=H, page_size=d["page_size"],
-      num_pages=d["num_pages"], dtype=jnp.dtype(dtype)))
+      num_pages=d["num_pages"], dtype=jnp.int8 if case == "int8" else jnp.dtype(dtype)))
   q = jax.ShapeDtypeStruct((d["B"], 1, d["N"], H), jnp.dtype(dtype))  # [B, T, N, H]
   return (lambda q, c: jattn.decode_attention(q, c, implementation="paged_gpu", **kw)), (
       q, cache)
@@ -476,6 +478,8 @@ def main(argv=None) -> int:
       for case in args.cases:
         if implementation == "paged_gpu" and case == "documents":
           continue  # refused by its plan (a per-token array): nothing to compile
+        if implementation != "paged_gpu" and case == "int8":
+          continue  # int8 pages: a decode cache's, paged_gpu's case only
         try:
           results.append(measure(implementation, case, target=args.target, B=args.B,
                                  T=args.T, N=args.N, H=args.H, dtype=args.dtype, tools=tools,

@@ -189,6 +189,27 @@ def test_compiles_for_an_h100_with_the_kernel_and_no_dense_buffer():
 
 
 @pytest.mark.compile
+def test_int8_pages_compile_for_an_h100_without_a_dequantized_copy():
+  """int8 pages (bfloat16 queries, the benchmark's batch) compiled for an H100: the
+  program calls the kernel, and its temporaries hold no dequantized pool (the pool in
+  bfloat16 would be 2x the int8 pool's bytes)."""
+  from jattn._src import deviceless_cuda
+  from tests.compile.test_compile_cuda import _custom_calls, _TRITON
+  if deviceless_cuda.missing() is not None:
+    pytest.skip(f"no deviceless CUDA compile: {deviceless_cuda.missing()}")
+  B_, N_, K_, H_, ps, max_length, P_ = 8, 16, 4, 128, 64, 32768, 600
+  cache = _paged_abstract(B_, max_length, K_, H_, ps, P_, jnp.int8)
+  q = jax.ShapeDtypeStruct((B_, 1, N_, H_), jnp.bfloat16)
+  assert "int8 keys and values dequantized in the kernel" in str(jattn.explain_decode(
+      q, cache, implementation="paged_gpu", is_causal=True).choices["cuda"].plan)
+  compiled = deviceless_cuda.compile_for("h100", lambda q, c: jattn.decode_attention(
+      q, c, implementation="paged_gpu", is_causal=True), q, cache)
+  assert _custom_calls(compiled.as_text(), _TRITON) == ["jattn_paged_decode_gpu"]
+  int8_pool = 2 * P_ * ps * K_ * H_  # keys and values
+  assert compiled.memory_analysis().temp_size_in_bytes < int8_pool / 8
+
+
+@pytest.mark.compile
 @pytest.mark.thorough
 @pytest.mark.parametrize("page_size, dtype, head", [(128, "bfloat16", 128), (64, "float32", 128),
                                                     (16, "bfloat16", 64), (64, "float16", 256)])

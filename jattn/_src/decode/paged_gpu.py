@@ -82,6 +82,8 @@ class Plan:
   num_stages: int = NUM_STAGES
 
   num_pages: int = 0  # the pool's P
+  key_int8: bool = False  # int8 pools: dequantized in the kernel by their [P, K] scales
+  value_int8: bool = False
 
   @property
   def splits(self) -> int:
@@ -104,7 +106,14 @@ class Plan:
             f"{self.splits} a row), merged by log-sum-exp, the "
             f"G = {self.G} query heads of a kv head in one tile; only the pages each row "
             f"needs, EMPTY pages {self.empty_pages}"
+            + (f"; int8 {self._int8()} dequantized in the kernel (each key's page scale "
+               f"gathered by page id)" if self.key_int8 or self.value_int8 else "")
             + (" (interpreted)" if self.interpret else ""))
+
+
+  def _int8(self) -> str:
+    return " and ".join(n for n, q in (("keys", self.key_int8), ("values", self.value_int8))
+                        if q)
 
 
 def _pow2(x: int) -> bool:
@@ -118,12 +127,14 @@ def plan(call, platform: str):
     return missing
   if call.mods_reason is not None:
     return call.mods_reason
+  # int8 pages compute in the query's dtype (call.dtype), dequantized in the kernel
   cache_dtype = call.cache_dtype or call.dtype
-  if "int8" in (cache_dtype, call.value_cache_dtype):
-    return ("int8 pages: the Triton kernel does not dequantize them yet ('split' and "
-            "'paged_tpu' do)")
-  if cache_dtype not in _DTYPES:
-    return f"it takes float32, bfloat16 or float16 pages, got {cache_dtype}"
+  value_dtype = call.value_cache_dtype or cache_dtype
+  for got in (cache_dtype, value_dtype):
+    if got not in _DTYPES + ("int8",):
+      return f"it takes float32, bfloat16, float16 or int8 pages, got {got}"
+  if call.dtype not in _DTYPES:
+    return f"it takes float32, bfloat16 or float16 queries, got {call.dtype}"
   S = call.page_size
   if not call.interpret:
     if not (_pow2(call.H) and _pow2(call.D) and min(call.H, call.D) >= _MIN_TILE):
@@ -141,18 +152,20 @@ def plan(call, platform: str):
     if not call.interpret and (not _pow2(W) or W * S < _MIN_TILE):
       return (f"pages_per_step {W}: the kernel's step of W x page_size keys is a Triton "
               f"tile, so W a power of two with W x {S} >= {_MIN_TILE}")
-  itemsize = np.dtype(jnp.dtype(cache_dtype)).itemsize
-  smem = NUM_STAGES * W * S * (call.H + call.D) * itemsize
+  size = lambda dtype: np.dtype(jnp.dtype(dtype)).itemsize
+  smem = NUM_STAGES * W * S * (call.H * size(cache_dtype) + call.D * size(value_dtype))
   if not call.interpret and smem > SMEM_BUDGET:
     return (f"{smem // 1024} KiB of shared memory for {NUM_STAGES} stages of {W * S} keys "
-            f"and values (H = {call.H}, D = {call.D}, {cache_dtype}), over the kernel's "
+            f"and values (H = {call.H}, D = {call.D}, {cache_dtype} / {value_dtype}), "
+            f"over the kernel's "
             f"{SMEM_BUDGET // 1024} KiB: a smaller page_size or pages_per_step")
   C = max(W, KEYS_PER_SPLIT // S // W * W)
   G = call.N // call.K
   rows = max(_MIN_TILE, 1 << max(0, (G * call.T - 1).bit_length()))
   return Plan(call.B, call.T, call.K, G, call.H, call.D, S, call.max_pages, call.is_causal,
               call.window, W, C, rows, call.mods_uses_n[0], call.mods_uses_n[1],
-              _paged_tpu._EMPTY_PAGES[call.mask], call.interpret, num_pages=call.num_pages)
+              _paged_tpu._EMPTY_PAGES[call.mask], call.interpret, num_pages=call.num_pages,
+              key_int8=cache_dtype == "int8", value_int8=value_dtype == "int8")
 
 
 def chunks(counts, per_split: int, capacity: int):
@@ -193,7 +206,8 @@ def prepare(p: Plan, query, cache, mods, options):
   row, lo, n, overflow = chunks(counts, p.per_split, p.chunks)
   # [B, T, K, G, H] -> [B, K, G T, H]: a kv head's G heads and T queries, one tile, padded
   q = jnp.einsum("BTKGH->BKGTH", query.reshape(B, T, K, G, H)).reshape(B, K, GT, H)
-  q = jnp.pad(q.astype(cache.key_pages.dtype), ((0, 0), (0, 0), (0, R - GT), (0, 0)))
+  # the math's dtype: float pages' (the query's too), the query's over int8 pages
+  q = jnp.pad(q.astype(query.dtype), ((0, 0), (0, 0), (0, R - GT), (0, 0)))
   mask_jaxpr = None if mods is None else mods.mask_jaxpr
   score_jaxpr = None if mods is None else mods.score_jaxpr
   mask_consts = () if mask_jaxpr is None else tuple(mods.mask_consts)
@@ -203,7 +217,11 @@ def prepare(p: Plan, query, cache, mods, options):
   inputs = [q, row, lo, n, pages, slots, cache.lengths.astype(jnp.int32),
             q_first.astype(jnp.int32), q_lengths.astype(jnp.int32),
             jnp.asarray(options["scale"], jnp.float32).reshape(1), cache.key_pages,
-            cache.value_pages, *[kernel_inputs.flat(x) for x in mask_consts + score_consts]]
+            cache.value_pages]
+  # int8 pools: their scales [P, K] whole, gathered in the kernel by the same page ids
+  inputs += [x for x, q in ((cache.key_scales, p.key_int8), (cache.value_scales, p.value_int8))
+             if q]
+  inputs += [kernel_inputs.flat(x) for x in mask_consts + score_consts]
   return inputs, tm, (row, n, overflow)
 
 

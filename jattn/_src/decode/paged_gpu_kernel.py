@@ -20,6 +20,15 @@ so that nothing past the list or the row's length is read. The mods are
 evaluated on each [R, W S] tile by `tile_mods` at global positions: t of tile
 row r is q_first[b] + r % T, s = slot * S + column % S.
 
+int8 pools arrive as int8 (a step's HBM reads are the int8 bytes) followed by
+their float32 scales [P, K] (`k_scales`, `v_scales`, only for an int8 pool):
+each key's scale is gathered by the same page id as the key, the int8 tile is
+cast to the query's dtype (exact: |q| <= 127), the key scale multiplies the
+logits column by column (s = scale_k (q . k_int8)) and the value scale the
+probabilities before P V (sum_s p_s scale_s v_s); l sums the unscaled
+probabilities. An unread key's scale loads as 0 (its page id is always one of the
+row's listed pages, never a free page's NaN scale, so this is belt and braces).
+
 Outputs: the chunk's partial softmax, relative to its own max, float32: m, l
 [R] and o [R, D], written only by a chunk that read a page (the caller keeps
 the others out of the log-sum-exp merge); `paged_gpu` merges and adds sinks.
@@ -44,6 +53,12 @@ def _at_page(pool, page, slot, k):
   index an int array (a gather: interpret mode takes no slice beside them)."""
   feature = jnp.arange(pool.shape[-1], dtype=jnp.int32)[None, :]
   return pool.at[page[:, None], k, slot[:, None], feature]
+
+
+def _page_scales(scales, page, k, read):
+  """float32 [W S]: scales [P, K] of kv head k at each key's page id; 0 where unread."""
+  plgpu = compat.load("pallas_triton")
+  return plgpu.load(scales.at[page, k], mask=read, other=0.0)
 
 
 def _dot(a, b, contract):
@@ -76,11 +91,15 @@ def kernel(*refs, p, tm):
   """p: the `paged_gpu.Plan`; tm: (mask jaxpr, mask meta, score jaxpr, score meta)."""
   plgpu = compat.load("pallas_triton")
   mask_jaxpr, mask_meta, score_jaxpr, score_meta = tm
+  refs = list(refs)
   (q_ref, chunk_row, chunk_lo, chunk_n, pages, slots, lengths, q_first, q_lengths, scale_ref,
    k_pool, v_pool) = refs[:12]
+  del refs[:12]
+  k_scales = refs.pop(0) if p.key_int8 else None
+  v_scales = refs.pop(0) if p.value_int8 else None
   n_consts = len(mask_meta) + len(score_meta)
-  mask_refs, score_refs = refs[12:12 + len(mask_meta)], refs[12 + len(mask_meta):12 + n_consts]
-  m_ref, l_ref, o_ref = refs[12 + n_consts:]
+  mask_refs, score_refs = refs[:len(mask_meta)], refs[len(mask_meta):n_consts]
+  m_ref, l_ref, o_ref = refs[n_consts:]
   G, T, S, M, W, R = p.G, p.T, p.page_size, p.max_pages, p.pages_per_step, p.rows
   BK = W * S
   tile = (R, BK)
@@ -106,9 +125,17 @@ def kernel(*refs, p, tm):
     page = pages[entry]
     s_pos = slots[entry] * S + in_page  # [W S]: global key positions
     read = listed & (s_pos < length)  # slots past the length may hold stale NaN: unread
-    keys = plgpu.load(_at_page(k_pool, page, in_page, k), mask=read[:, None], other=0.0)
-    values = plgpu.load(_at_page(v_pool, page, in_page, k), mask=read[:, None], other=0.0)
-    x = _dot(q, keys, ((1,), (1,))) * scale  # [R, W S]
+    keys = plgpu.load(_at_page(k_pool, page, in_page, k), mask=read[:, None],
+                      other=0 if p.key_int8 else 0.0)
+    values = plgpu.load(_at_page(v_pool, page, in_page, k), mask=read[:, None],
+                        other=0 if p.value_int8 else 0.0)
+    column_scale = scale  # the logits' scale, times each key's page scale for int8 keys
+    if p.key_int8:  # exact in the query's dtype: the page scale goes on the logits
+      keys = keys.astype(q.dtype)
+      column_scale = scale * _page_scales(k_scales, page, k, read)[None, :]  # [1, W S]
+    if p.value_int8:
+      values = values.astype(q.dtype)
+    x = _dot(q, keys, ((1,), (1,))) * column_scale  # [R, W S]
     s_tile = jnp.broadcast_to(s_pos[None, :], tile)
     keep = row_ok & read[None, :]
     if p.causal:
@@ -131,7 +158,10 @@ def kernel(*refs, p, tm):
     shift = jnp.where(m_next > LARGE_NEGATIVE, m_next, 0.0)
     probs = jnp.where(keep, jnp.exp(x - shift[:, None]), 0.0)
     alpha = jnp.exp(m - m_next)
-    acc = acc * alpha[:, None] + _dot(probs.astype(values.dtype), values, ((1,), (0,)))
+    weights = probs  # sum_s p_s (scale_s v_s): an int8 page's scale on the probabilities
+    if p.value_int8:
+      weights = probs * _page_scales(v_scales, page, k, read)[None, :]
+    acc = acc * alpha[:, None] + _dot(weights.astype(values.dtype), values, ((1,), (0,)))
     return acc, m_next, alpha * l + jnp.sum(probs, axis=1)
 
   init = (jnp.zeros((R, p.D), jnp.float32), jnp.full((R,), LARGE_NEGATIVE, jnp.float32),
