@@ -52,10 +52,11 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
     >>> q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)   # [B, T, N, H]
     >>> report = jattn.explain(q, q, q, is_causal=True)
     >>> report.implementation("tpu"), report.implementation("cpu")
-    ('splash', 'blockwise')
-    >>> report = jattn.explain(q, q, q, score_mod=jattn.mods.alibi(jnp.ones(8)))
-    >>> report.reasons("tpu")["splash"]
-    'score_mod Alibi is not mods.soft_cap with a Python-number cap'
+    ('flex_tpu', 'blockwise')
+    >>> ids = jnp.zeros((1, 1024), jnp.int32)
+    >>> report = jattn.explain(q, q, q, q_segment_ids=ids, kv_segment_ids=ids)
+    >>> report.implementation("tpu"), report.reasons("tpu")["flex_tpu"]
+    ('splash', 'segment ids: not in the kernel yet')
   """
   if compile is not None and (mesh is not None or implementation in ("ring",
                                                                      "context_parallel")):
