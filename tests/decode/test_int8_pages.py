@@ -206,11 +206,7 @@ def test_paged_tpu_kernel_dequantizes_in_the_kernel(dtypes):
   logits and on the probabilities, against float64. Two pages a step: row 0's first
   step is unmasked, row 2's last one short (its last page again, masked)."""
   q, k, v = _scaled(2)
-  cache, pools = _fill(_empty(*dtypes), k, v, _CALLS)
-  if cache.key_scales is None:  # float keys: the pool holds them as they are
-    pools = (_Exact(cache.key_pages), pools[1])
-  if cache.value_scales is None:
-    pools = (pools[0], _Exact(cache.value_pages))
+  cache, pools = _fill_mixed(dtypes, k, v)
   with pallas_interpret():
     report = jattn.explain_decode(jnp.zeros((B, 1, N, 8)), cache, implementation="paged_tpu",
                                   is_causal=True, mask_mod=CASES["user_mask"][0]["mask_mod"])
@@ -231,17 +227,24 @@ def test_paged_gpu_kernel_dequantizes_in_the_kernel(dtypes):
   the default step (the entries past a row's list masked) with sinks, a window and
   ALiBi. Planted: the value scale left off the probabilities - this test failed."""
   q, k, v = _scaled(6)
-  cache, pools = _fill(_empty(*dtypes), k, v, _CALLS)
-  if cache.key_scales is None:  # float keys: the pool holds them as they are
-    pools = (_Exact(cache.key_pages), pools[1])
-  if cache.value_scales is None:
-    pools = (pools[0], _Exact(cache.value_pages))
+  cache, pools = _fill_mixed(dtypes, k, v)
   with pallas_interpret():
     report = jattn.explain_decode(jnp.zeros((B, 1, N, 8)), cache, implementation="paged_gpu",
                                   is_causal=True)
     assert "dequantized in the kernel" in str(report.choices["cpu"].plan)
     _check(q, cache, pools, "user_mask", "paged_gpu", k, v, pages_per_step=1)
     _check(q, cache, pools, "sinks_window_alibi", "paged_gpu", k, v)
+
+
+def _fill_mixed(dtypes, k, v):
+  """_fill over pools of `dtypes` (keys, values; either may be float): a float pool's
+  reference is its pages as they are."""
+  cache, pools = _fill(_empty(*dtypes), k, v, _CALLS)
+  if cache.key_scales is None:
+    pools = (_Exact(cache.key_pages), pools[1])
+  if cache.value_scales is None:
+    pools = (pools[0], _Exact(cache.value_pages))
+  return cache, pools
 
 
 class _Exact:
