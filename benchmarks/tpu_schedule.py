@@ -81,8 +81,7 @@ def clock_hz(gen: str) -> float:
 # ---------------------------------------------------------------- the bundles' parser
 
 _LINE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(LB|LH|LE|PB|PF|CT)?:?\s*>?\s*\{")
-_BRANCH = re.compile(r"sbr\.rel\s*\(([^)]*)\)\s*target\s*=\s*\$region(\d+)")
-_REGION = re.compile(r"Start(?:/End empty)? region (\d+)")
+from benchmarks.tpu_loops import _BRANCH, _REGION  # noqa: E402 (any loop nest's reader)
 
 
 @dataclasses.dataclass
