@@ -106,14 +106,9 @@ class Plan:
             f"{self.splits} a row), merged by log-sum-exp, the "
             f"G = {self.G} query heads of a kv head in one tile; only the pages each row "
             f"needs, EMPTY pages {self.empty_pages}"
-            + (f"; int8 {self._int8()} dequantized in the kernel (each key's page scale "
-               f"gathered by page id)" if self.key_int8 or self.value_int8 else "")
+            + (f"; int8 {_paged_tpu.int8_pools(self.key_int8, self.value_int8)} dequantized "
+               f"in the kernel (each key's page scale gathered by page id)" if self.key_int8 or self.value_int8 else "")
             + (" (interpreted)" if self.interpret else ""))
-
-
-  def _int8(self) -> str:
-    return " and ".join(n for n, q in (("keys", self.key_int8), ("values", self.value_int8))
-                        if q)
 
 
 def _pow2(x: int) -> bool:

@@ -73,8 +73,7 @@ class Plan:
   value_int8: bool = False
 
   def __str__(self):
-    int8 = " and ".join(n for n, q in (("keys", self.key_int8), ("values", self.value_int8))
-                        if q)
+    int8 = int8_pools(self.key_int8, self.value_int8)
     return (f"Pallas TPU kernel over the pool: {self.step_pages} page(s) a step, "
             + (f"int8 {int8} dequantized in the kernel (scales per page and kv head from "
                f"SMEM), " if int8 else "") +
@@ -162,6 +161,11 @@ def plan(call, platform: str):
               call.is_causal, call.window, splits, DEPTH, U, call.num_pages,
               call.mods_uses_n[0],
               call.mods_uses_n[1], _EMPTY_PAGES[call.mask], call.interpret, *int8)
+
+
+def int8_pools(key_int8: bool, value_int8: bool) -> str:
+  """"keys", "values", "keys and values" or "": which pools of a plan are int8."""
+  return " and ".join(n for n, q in (("keys", key_int8), ("values", value_int8)) if q)
 
 
 _EMPTY_PAGES = {"none": "(no mask_mod)", "closed form": "in closed form (jattn.mods)",
