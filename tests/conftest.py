@@ -21,6 +21,25 @@ os.environ["XLA_FLAGS"] = xla_flags()  # before jax is imported and makes its CP
 # lock when loaded; there is no TPU to guard here, and both xdist workers load it.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+
+def _share_compiled_programs():
+  """One XLA compilation cache for this run: its xdist workers and the tests' subprocesses
+  (which inherit the environment) reuse a program another test already compiled. Many
+  tests compile the same call at the same small shapes; a hit is the same executable.
+  A fresh folder per run, removed at exit; a JAX_COMPILATION_CACHE_DIR already set wins."""
+  if "JAX_COMPILATION_CACHE_DIR" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+    return  # set by the user, or by this run's controller (the workers inherit it)
+  import atexit
+  import shutil
+  import tempfile
+  folder = tempfile.mkdtemp(prefix="jattn-test-xla-cache-")
+  atexit.register(shutil.rmtree, folder, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # default: only >= 1 s
+
+
+_share_compiled_programs()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
