@@ -23,11 +23,12 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    torch FlexAttention (compiled; its
    FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
    rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
-   backward at the first length (flex_mgpu_ws's backward is flex_mgpu's; ":bwd" with the
-   warp-specialised dq and dk/dv kernels); on causal, ":tiles": each Mosaic GPU path
+   backward, and soft-cap's, at the first length (flex_mgpu_ws's backward is flex_mgpu's;
+   ":bwd" with the warp-specialised dq and dk/dv kernels, ":bwd:rows32" / ":bwd:rows64"
+   with the dk/dv kernel's other query tile); on causal, ":tiles": each Mosaic GPU path
    made to read and write through the to_tiles transposes (kernel_inputs.through_tiles),
    the cost the in-place TMA reads and writes removed.
-Order: causal's values, the gradients, causal forward + backward and forward at T =
+Order: causal's values, the gradients, causal and soft-cap forward + backward at T =
 4096, the other values, the other timings. Each case's failure is caught, printed and
 recorded; the next case runs. New work stops starting after --deadline seconds.
 JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
@@ -261,12 +262,12 @@ def _grads(q, k, v, g):
 
 
 def speed_jobs(lengths):
-  """(T, case, backward) in the order they run: at the first length causal forward,
-  causal forward + backward, 16 documents and soft-cap forward; then the forward cases at
-  the other lengths."""
+  """(T, case, backward): at the first length causal forward, causal and soft-cap forward
+  + backward, 16 documents and soft-cap forward; then the forward cases at the other
+  lengths (main runs the backward jobs first)."""
   jobs = []
   for x, T in enumerate(lengths):
-    jobs += [(T, "causal", False)] + [(T, "causal", True)] * (x == 0)
+    jobs += [(T, "causal", False)] + [(T, c, True) for c in ("causal", "soft_cap")] * (x == 0)
     jobs += [(T, case, False) for case in ("documents", "soft_cap")]
   return jobs
 
@@ -336,10 +337,15 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
           return attend(impl)(q, k, v)
       out[f"{impl}:tiles"] = tiles
   if FAST in impls and backward:
-    def fast_backward(q, k, v):
-      with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+    def fast_backward(q, k, v, rows=None):
+      with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv(), (
+          flex_mgpu.ws_dkv_rows(rows) if rows else contextlib.nullcontext()):
         return attend(FAST)(q, k, v)
     out[f"{FAST}:bwd"] = fast_backward
+    # the dk/dv kernel's other query tile (causal takes 64 rows, soft-cap 32: the card says
+    # which is faster, spills and all: flex_mgpu._ws_dkv_rows)
+    other = 32 if case == "causal" else 64
+    out[f"{FAST}:bwd:rows{other}"] = lambda q, k, v: fast_backward(q, k, v, other)
   if case == "causal" and not backward:
     out[f"{impls[0]}:mask_mod"] = attend(impls[0], dict(mask_mod=mods.causal()))
     if FAST in impls:

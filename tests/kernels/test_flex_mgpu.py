@@ -357,8 +357,12 @@ def test_ws_is_named_only_and_hopper_only(monkeypatch):
 @needs_ws
 @pytest.mark.parametrize("case", [
     "hand_written_alibi_empty_rows",
-    *(pytest.param(c, marks=pytest.mark.thorough)
-      for c in ("document_or_prefix_lm_and_chunks", "causal"))])
+    pytest.param("causal", marks=pytest.mark.thorough),
+    # seen on 2026-11-27 (jax 0.12.0.1): its forward alone never returns either (5 min,
+    # 5 s of CPU), as mods.document alone above; at main before the dk/dv kernel's 32-row
+    # tiles too
+    pytest.param("document_or_prefix_lm_and_chunks", marks=[pytest.mark.thorough, pytest.mark.skip(
+        reason="the interpreted forward with mods.document hangs (see above)")])])
 def test_ws_interpreted_values_and_fast_backward_against_float64(case):
   """flex_mgpu_ws in the GPU interpreter (race detection on): its producer and two
   consumer warpgroups, their barriers, the tables and side inputs, and with ws_dq /
@@ -415,8 +419,9 @@ def _in_place_reference(q, k, v, cot):
       for i, lay in (("flex_mgpu", "BNTH"), ("flex_mgpu_ws", "BNTH"), ("flex_mgpu", "TNH")))])
 def test_in_place_values_and_gradients_against_float64(impl, layout):
   """T = S = 128 and H = 64: both kernels read q, k, v, dO and write out, dq, dk, dv in the
-  caller's layout by TMA (flex_mgpu_ws with its warp-specialised dq and dk/dv kernels);
-  against float64. "TNH" has no batch axis."""
+  caller's layout by TMA (flex_mgpu_ws with its warp-specialised dq and dk/dv kernels,
+  the dk/dv kernel's 64-row query tiles: the other interpreted ws test takes 32 for its
+  score_mod); against float64. "TNH" has no batch axis."""
   if impl == "flex_mgpu_ws" and compat.missing("pallas_mosaic_gpu_ws"):
     pytest.skip(compat.missing("pallas_mosaic_gpu_ws"))
   from jattn._src.kernels import flex_mgpu
@@ -429,7 +434,7 @@ def test_in_place_values_and_gradients_against_float64(impl, layout):
   attend = lambda q, k, v: jattn.dot_product_attention(q, k, v, implementation=impl,
                                                        layout=layout, **_IN_PLACE)
   loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * to(cot))
-  with pallas_interpret(), flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+  with pallas_interpret(), flex_mgpu.ws_dq(), flex_mgpu.ws_dkv(), flex_mgpu.ws_dkv_rows(64):
     out = attend(to(q), to(k), to(v))
     grads = jax.grad(loss, argnums=(0, 1, 2))(to(q), to(k), to(v))
   b = slice(None) if "B" in layout else slice(0, 1)

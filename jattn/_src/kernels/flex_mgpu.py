@@ -34,7 +34,7 @@ import numpy as np
 
 from jattn._src import compat
 from jattn._src.masks.modifiers import Modifiers
-from jattn._src.kernels import kernel_plan
+from jattn._src.kernels import kernel_plan, tile_mods
 
 # wgmma takes 16-bit operands here (float32 would be TF32 on the tensor cores)
 _DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
@@ -66,6 +66,7 @@ class Plan(kernel_plan.TilePlan):
   fast: bool = False  # "flex_mgpu_ws": the warp-specialised forward (flex_mgpu_ws.py)
   fast_dq: bool = False  # ... and its warp-specialised dq kernel (`ws_dq`)
   fast_dkv: bool = False  # ... and its warp-specialised dk/dv kernel (`ws_dkv`)
+  dkv_rows: int = 64  # ... whose query tiles have this many rows (`_ws_dkv_rows`)
 
   @property
   def H_padded(self) -> int:  # E: both heads, so the output tile reuses the query's SMEM
@@ -146,7 +147,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            score_reads=facts.score_reads, max_logits=bool(return_max_logits), fast=fast,
            # the fast backward kernels' tiles fit SMEM up to E = 128
            fast_dq=fast and E <= 128 and bool(_WS_DQ.get()),
-           fast_dkv=fast and E <= 128 and bool(_WS_DKV.get()))
+           fast_dkv=fast and E <= 128 and bool(_WS_DKV.get()),
+           dkv_rows=_ws_dkv_rows(m.mods, facts) if fast else 64)
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
 
 
@@ -187,6 +189,38 @@ def ws_dkv():
     yield
   finally:
     _WS_DKV.reset(token)
+
+
+# the warp-specialised dk/dv kernel's query tile when set (`ws_dkv_rows`): for timing both
+_WS_DKV_ROWS = contextvars.ContextVar("flex_mgpu_ws_dkv_rows", default=None)
+
+
+def _ws_dkv_rows(mods, facts) -> int:
+  """The warp-specialised dk/dv kernel's query tile: 64 rows, or 32 where the mods' work
+  on a tile is heavy, a score_mod or a mask_mod that divides (a floor division's or a
+  remainder's sign fix-ups). Its consumers carry two [64, E] float32 accumulators; with
+  64-row tiles those calls spilled 8 to 112 bytes a thread over the 240 registers
+  (the compile tier, H100: soft-cap, ALiBi, chunked, and/or, a hand-written pair) and
+  none with 32. 32 costs more instructions per query (+7% soft-cap, +19% causal in the
+  inner loop's SASS), so the light cases keep 64. NOT MEASURED on a GPU."""
+  if _WS_DKV_ROWS.get():
+    return _WS_DKV_ROWS.get()
+  divides = mods is not None and mods.has_mask and bool(
+      {"div", "rem", "floor"} & tile_mods.primitives(mods.traced().mask_jaxpr))
+  return 32 if facts.has_score or divides else 64
+
+
+@contextlib.contextmanager
+def ws_dkv_rows(rows: int):
+  """"flex_mgpu_ws" calls planned in this block give the warp-specialised dk/dv kernel
+  query tiles of `rows` (32 or 64) whatever their mods."""
+  if rows not in (32, 64):
+    raise ValueError(f"rows must be 32 or 64, got {rows}")
+  token = _WS_DKV_ROWS.set(rows)
+  try:
+    yield
+  finally:
+    _WS_DKV_ROWS.reset(token)
 
 
 @contextlib.contextmanager

@@ -321,10 +321,12 @@ def _mma(a, b, shape):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
-def _tile_smem(shape, dtype):
-  """An SMEM buffer laid out for wgmma: 8 x 64 tiles of 16-bit values, 128-byte swizzle."""
-  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                              plgpu.SwizzleTransform(128)))
+def _tile_smem(shape, dtype, swizzle=128):
+  """An SMEM buffer laid out for wgmma: rows of `swizzle` bytes (8 x 64 tiles of 16-bit
+  values at the default 128-byte swizzle), swizzled."""
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((8, swizzle // np.dtype(dtype).itemsize)),
+      plgpu.SwizzleTransform(swizzle)))
 
 
 def _pipelined(count, fetch, wait, body, carry):

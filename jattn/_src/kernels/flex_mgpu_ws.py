@@ -176,8 +176,8 @@ def backward(p: Plan, layout: Layout, query, key, value, modifiers, out, lse, d_
              pad_to(lse, 2, fast.T_padded), pad_to(delta, 2, fast.T_padded))
   else:
     dq = ref._dq(slow, L, *ref._prepare(slow, modifiers), q, k, v, do, lse, delta)
-  if p.fast_dkv:  # 64-row query tiles, 128-key programs (whatever the forward's kv tile)
-    fast = dataclasses.replace(p, block_q=_BQ, block_kv=_CONSUMERS * _BQ)
+  if p.fast_dkv:  # 64- or 32-row query tiles, 128-key programs (whatever the forward's)
+    fast = dataclasses.replace(p, block_q=p.dkv_rows, block_kv=_CONSUMERS * _BQ)
     keys = lambda x: pad_to(x, 2, fast.S_padded) if tiles else x  # [B, K, S, ..]
     dk, dv = _dkv(fast, L, *prepared(fast, "kv_table"), q, keys(k), keys(v), do, lse, delta)
   else:
@@ -486,13 +486,17 @@ def _dkv(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
   streaming, for each of the G query heads of h, its non-EMPTY 64-row query tiles (q, dO,
   lse, delta and the query-side rows) through the stage ring; dV += P^T dO and dK += dS^T
   q with P^T, dS^T from registers.
-  p: block_q 64 (query tiles), block_kv 128 (the program's keys)."""
+  p: block_q 64 or 32 (query tiles: `flex_mgpu._ws_dkv_rows`), block_kv 128 (the
+  program's keys)."""
   E, dtype, bq, G = p.H_padded, q.dtype, p.block_q, p.N // p.K
   shapes = dict(zip(where.names, (a.shape for a in arrays)))
   Gt = G if "q_table" in shapes and shapes["q_table"][1] > 1 else 1  # table rows held
+  # a wgmma's K runs in swizzle-wide groups, and K is bq in dV += P^T dO, dK += dS^T q:
+  # 32-row tiles take 64-byte swizzles, on k and v too (a wgmma's SMEM operands share one)
+  tile = lambda shape: ref._tile_smem(shape, dtype, swizzle=min(128, bq * q.dtype.itemsize))
   scratch = dict(
-      k=ref._tile_smem((_CONSUMERS, _BQ, E), dtype), v=ref._tile_smem((_CONSUMERS, _BQ, E), dtype),
-      q=ref._tile_smem((_STAGES, bq, E), dtype), do=ref._tile_smem((_STAGES, bq, E), dtype),
+      k=tile((_CONSUMERS, _BQ, E)), v=tile((_CONSUMERS, _BQ, E)),
+      q=tile((_STAGES, bq, E)), do=tile((_STAGES, bq, E)),
       lse=plgpu.SMEM((_STAGES, bq), jnp.float32), delta=plgpu.SMEM((_STAGES, bq), jnp.float32),
       own_bars=plgpu.Barrier(num_barriers=2 * _CONSUMERS),
       in_bars=plgpu.Barrier(num_barriers=5 * _STAGES),  # q, dO, lse, delta, rows per slot
@@ -510,7 +514,7 @@ def _dkv(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
   body = functools.partial(_dkv_kernel, p=p, tm=tm, where=where, Gt=Gt, L=L)
   shapes = (jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype))
   if p.interpret:  # P^T and dS^T through SMEM (`_mma_from_registers`)
-    scratch["spill"] = ref._tile_smem((_CONSUMERS, 2, _BQ, bq), dtype)
+    scratch["spill"] = tile((_CONSUMERS, 2, _BQ, bq))
   return _launch(p, body, shapes, scratch, (p.S_padded // p.block_kv, p.K, p.B),
                  ("j", "h", "b"), "jattn_flex_mgpu_ws_dkv")(q, k, v, do, lse, delta, *arrays)
 

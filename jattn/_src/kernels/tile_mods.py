@@ -338,6 +338,18 @@ def _read_const(eqn, ins, read):
   return _Element(read(const.index, flat), len(const.shape))
 
 
+def primitives(jaxpr) -> set[str]:
+  """The names of the primitives `jaxpr` (a Jaxpr or ClosedJaxpr) applies, those of the
+  functions it calls included."""
+  names = set()
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    names.add(eqn.primitive.name)
+    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if sub is not None:
+      names |= primitives(sub)
+  return names
+
+
 def consts_meta(consts) -> tuple:
   return tuple((tuple(np.shape(c)), np.dtype(c.dtype)) for c in consts)
 
