@@ -167,28 +167,28 @@ _WS_DQ = contextvars.ContextVar("flex_mgpu_ws_dq", default=False)
 
 
 @contextlib.contextmanager
-def ws_dq():
-  """"flex_mgpu_ws" calls planned in this block take their dq from the warp-specialised
-  dq kernel (compiled deviceless; until a card checks it, off by default)."""
-  token = _WS_DQ.set(True)
+def _set(setting: contextvars.ContextVar, value):
+  """`setting` is `value` for the calls planned in this block."""
+  token = setting.set(value)
   try:
     yield
   finally:
-    _WS_DQ.reset(token)
+    setting.reset(token)
+
+
+def ws_dq():
+  """"flex_mgpu_ws" calls planned in this block take their dq from the warp-specialised
+  dq kernel (compiled deviceless; until a card checks it, off by default)."""
+  return _set(_WS_DQ, True)
 
 
 _WS_DKV = contextvars.ContextVar("flex_mgpu_ws_dkv", default=False)
 
 
-@contextlib.contextmanager
 def ws_dkv():
   """"flex_mgpu_ws" calls planned in this block take dk, dv from the warp-specialised
   dk/dv kernel (compiled deviceless; until a card checks it, off by default)."""
-  token = _WS_DKV.set(True)
-  try:
-    yield
-  finally:
-    _WS_DKV.reset(token)
+  return _set(_WS_DKV, True)
 
 
 # the warp-specialised dk/dv kernel's query tile when set (`ws_dkv_rows`): for timing both
@@ -210,29 +210,19 @@ def _ws_dkv_rows(mods, facts) -> int:
   return 32 if facts.has_score or divides else 64
 
 
-@contextlib.contextmanager
 def ws_dkv_rows(rows: int):
   """"flex_mgpu_ws" calls planned in this block give the warp-specialised dk/dv kernel
   query tiles of `rows` (32 or 64) whatever their mods."""
   if rows not in (32, 64):
     raise ValueError(f"rows must be 32 or 64, got {rows}")
-  token = _WS_DKV_ROWS.set(rows)
-  try:
-    yield
-  finally:
-    _WS_DKV_ROWS.reset(token)
+  return _set(_WS_DKV_ROWS, rows)
 
 
-@contextlib.contextmanager
 def ws_kv_tile(block_kv: int):
   """"flex_mgpu_ws" calls planned in this block use kv tiles of `block_kv` (64 or 128)."""
   if block_kv not in (64, 128):
     raise ValueError(f"block_kv must be 64 or 128, got {block_kv}")
-  token = _WS_KV_TILE.set(block_kv)
-  try:
-    yield
-  finally:
-    _WS_KV_TILE.reset(token)
+  return _set(_WS_KV_TILE, block_kv)
 
 
 @functools.lru_cache(maxsize=None)
