@@ -26,9 +26,12 @@ def _share_compiled_programs():
   """One XLA compilation cache for this run: its xdist workers and the tests' subprocesses
   (which inherit the environment) reuse a program another test already compiled. Many
   tests compile the same call at the same small shapes; a hit is the same executable.
-  A fresh folder per run, removed at exit; a JAX_COMPILATION_CACHE_DIR already set wins."""
-  if "JAX_COMPILATION_CACHE_DIR" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
-    return  # set by the user, or by this run's controller (the workers inherit it)
+  A fresh folder per run, removed at exit; a JAX_COMPILATION_CACHE_DIR already set wins.
+  JATTN_TEST_COMPILE_CACHE=0 turns it off: the compile tier's programs are compiled for
+  compile-only TPU and GPU devices, whose executables jax cannot read back (it warns)."""
+  if ("JAX_COMPILATION_CACHE_DIR" in os.environ or "PYTEST_XDIST_WORKER" in os.environ
+      or os.environ.get("JATTN_TEST_COMPILE_CACHE") == "0"):
+    return  # set by the user, or by this run's controller (the workers inherit it), or off
   import atexit
   import shutil
   import tempfile
