@@ -100,14 +100,15 @@ class Plan:
                       (listed + self.B * (self.per_split - 1)) // self.per_split))
 
   def __str__(self):
+    int8 = _paged_tpu.int8_pools(self.key_int8, self.value_int8)
     return (f"Pallas Triton kernel over the pool: {self.pages_per_step} page(s) of "
             f"{self.page_size} keys a step gathered by page id, up to {self.per_split} "
             f"pages a program ({self.chunks} chunks of rows' pages on the grid, up to "
             f"{self.splits} a row), merged by log-sum-exp, the "
             f"G = {self.G} query heads of a kv head in one tile; only the pages each row "
             f"needs, EMPTY pages {self.empty_pages}"
-            + (f"; int8 {_paged_tpu.int8_pools(self.key_int8, self.value_int8)} dequantized "
-               f"in the kernel (each key's page scale gathered by page id)" if self.key_int8 or self.value_int8 else "")
+            + (f"; int8 {int8} dequantized in the kernel (each key's page scale gathered "
+               f"by page id)" if int8 else "")
             + (" (interpreted)" if self.interpret else ""))
 
 

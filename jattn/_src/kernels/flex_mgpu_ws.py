@@ -493,7 +493,7 @@ def _dkv(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
   Gt = G if "q_table" in shapes and shapes["q_table"][1] > 1 else 1  # table rows held
   # a wgmma's K runs in swizzle-wide groups, and K is bq in dV += P^T dO, dK += dS^T q:
   # 32-row tiles take 64-byte swizzles, on k and v too (a wgmma's SMEM operands share one)
-  tile = lambda shape: ref._tile_smem(shape, dtype, swizzle=min(128, bq * q.dtype.itemsize))
+  tile = lambda shape: ref._tile_smem(shape, dtype, swizzle=min(128, bq * dtype.itemsize))
   scratch = dict(
       k=tile((_CONSUMERS, _BQ, E)), v=tile((_CONSUMERS, _BQ, E)),
       q=tile((_STAGES, bq, E)), do=tile((_STAGES, bq, E)),

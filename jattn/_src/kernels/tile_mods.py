@@ -223,7 +223,7 @@ def _tag_of(eqn, in_tags):
 def _eqn(eqn, ins, in_tags, ctx):
   read, tile_shape = ctx.read, ctx.tile_shape
   name = eqn.primitive.name
-  sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  sub = _called(eqn)
   if sub is not None:  # jit, custom_jvp_call, ...: evaluated inline
     inner = getattr(sub, "jaxpr", sub)
     inner_consts = list(getattr(sub, "consts", []))
@@ -338,15 +338,19 @@ def _read_const(eqn, ins, read):
   return _Element(read(const.index, flat), len(const.shape))
 
 
+def _called(eqn):
+  """The jaxpr (Jaxpr or ClosedJaxpr) an equation calls (jit, custom_jvp_call, ...), or None."""
+  return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+
+
 def primitives(jaxpr) -> set[str]:
   """The names of the primitives `jaxpr` (a Jaxpr or ClosedJaxpr) applies, those of the
   functions it calls included."""
   names = set()
   for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
     names.add(eqn.primitive.name)
-    sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if sub is not None:
-      names |= primitives(sub)
+    if _called(eqn) is not None:
+      names |= primitives(_called(eqn))
   return names
 
 
