@@ -349,6 +349,30 @@ def test_ws_is_named_only_and_hopper_only(monkeypatch):
     assert report.implementation("cuda") == "flex_mgpu_ws", str(report)
 
 
+@needs_ws
+def test_ws_dkv_query_rows_follow_the_mods(monkeypatch):
+  """The warp-specialised dk/dv kernel takes 32-row query tiles for a score_mod or a
+  mask_mod that divides (with 64 they spilled: the compile tier), 64 otherwise;
+  ws_dkv_rows forces either and refuses another count, naming it."""
+  from jattn._src.kernels import flex_mgpu
+  monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (9, 0))
+  q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  rows = lambda **kw: re.search(r"dkv_rows=(\d+)", str(jattn.explain(
+      q, q, q, implementation="flex_mgpu_ws", **kw))).group(1)
+  with flex_mgpu.ws_dkv():
+    assert rows(is_causal=True) == "64"
+    assert rows(mask_mod=mods.causal()) == "64"
+    assert rows(is_causal=True, score_mod=mods.soft_cap(30.0)) == "32"
+    assert rows(mask_mod=mods.chunked(32)) == "32"  # a floor division
+    assert rows(mask_mod=lambda b, n, t, s: (t - s) % 3 != 1) == "32"  # a remainder
+    with flex_mgpu.ws_dkv_rows(64):
+      assert rows(is_causal=True, score_mod=mods.soft_cap(30.0)) == "64"
+    with flex_mgpu.ws_dkv_rows(32):
+      assert rows(is_causal=True) == "32"
+  with pytest.raises(ValueError, match="rows must be 32 or 64, got 48"):
+    flex_mgpu.ws_dkv_rows(48)
+
+
 # NOT "window_lengths_segments_soft_cap_sinks": in the interpreter (jax 0.12.0.1) the
 # forward with segment ids and a window (or lengths), or with mods.document alone, never
 # returns (consumer 0 waits on the schedule barrier); the same kernel ran 4 documents and
