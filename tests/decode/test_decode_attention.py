@@ -402,6 +402,12 @@ def test_cache_errors_name_the_argument():
     jattn.paged.append(cache, kv, jnp.ones((2, 20, 2, 3)))
   with raises(ValueError, "new_tokens", "(3,)"):
     jattn.paged.append(cache, kv, kv, jnp.array([1, 2, 3]))
+  with raises(ValueError, "new_tokens", ">= 0", "[-1, 2]"):
+    jattn.paged.append(cache, kv, kv, jnp.array([-1, 2]))
+  with raises(ValueError, "new_tokens", "at most T = 20", "[21, 2]"):
+    jattn.paged.append(cache, kv, kv, jnp.array([21, 2]))
+  with raises(ValueError, "new_tokens", "pool is full", "[16, 9]", "3 of 3 pages free"):
+    jattn.paged.allocate(cache, np.array([16, 9]))  # 2 + 2 pages of 8
   with raises(ValueError, "rows", "(3,)"):
     jattn.paged.free(cache, jnp.array([True, False, True]))
   with raises(ValueError, "page_size"):

@@ -152,17 +152,18 @@ def _concrete(*xs) -> bool:
   return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(xs))
 
 
-def _refuse_or_flag(cache: PagedKVCache, new: PagedKVCache, bits, detail: str):
-  """new, unless a request failed: then a ValueError (concrete), or the old cache
-  with the failure's bits added to `error` (traced)."""
-  if _concrete(bits):
-    bits = int(bits)
-    if bits:
-      raise ValueError("new_tokens: " + "; ".join(ERRORS[b] for b in ERRORS if bits & b)
-                       + f" ({detail})")
-    return new
+def _refused(cache: PagedKVCache, new: PagedKVCache, bits) -> PagedKVCache:
+  """new, or, where the request failed (bits != 0, traced), the old cache with the
+  failure's bits added to `error`: a refused request writes nothing."""
   kept = jax.tree.map(lambda a, b: jnp.where(bits == 0, a, b), new, cache)
   return dataclasses.replace(kept, error=cache.error | bits)
+
+
+def _raise_if_refused(bits, detail: str) -> None:
+  """Eagerly (concrete bits): the ValueError of a failed request, naming its arrays."""
+  if _concrete(bits) and int(bits):
+    raise ValueError("new_tokens: " + "; ".join(ERRORS[b] for b in ERRORS if int(bits) & b)
+                     + f" ({detail()})")
 
 
 def check(cache: PagedKVCache) -> PagedKVCache:
@@ -191,9 +192,10 @@ def _new_tokens(cache: PagedKVCache, new_tokens) -> jax.Array:
   if not jnp.issubdtype(new_tokens.dtype, jnp.integer) or new_tokens.shape != (B,):
     raise ValueError(f"new_tokens: expected int [B] = ({B},), got {new_tokens.dtype} "
                      f"with shape {new_tokens.shape}")
-  if _concrete(new_tokens) and bool(jnp.any(new_tokens < 0)):
+  # the checks of concrete arrays in NumPy: jnp's would compile an op each, eagerly
+  if _concrete(new_tokens) and (np.asarray(new_tokens) < 0).any():
     raise ValueError(f"new_tokens must be >= 0, got {np.asarray(new_tokens).tolist()}")
-  return jnp.maximum(new_tokens.astype(jnp.int32), 0)
+  return new_tokens
 
 
 def pages_held(cache: PagedKVCache) -> jax.Array:
@@ -208,13 +210,20 @@ def allocate(cache: PagedKVCache, new_tokens) -> PagedKVCache:
   over the batch, no loop. Raises (or flags, under jit) a full pool or a row
   past its table.
   """
-  return _allocate(cache, _new_tokens(cache, new_tokens))[0]
+  new_tokens = _new_tokens(cache, new_tokens)
+  grown, bits = _allocate(cache, new_tokens)
+  _raise_if_refused(bits, lambda: _allocation(cache, new_tokens))
+  return grown
 
 
+# Eager calls run these whole, compiled once per shape, instead of op by op (seconds
+# on a CPU for append's first call); traced, they inline into the caller's program.
+@jax.jit
 def _allocate(cache: PagedKVCache, new_tokens):
-  """-> (the cache with the pages allocated, or refused as `_refuse_or_flag` says;
-  this request's error bits, int32, 0 if granted)."""
+  """-> (the cache with the pages allocated, or as it was with `error` flagged if the
+  request was refused; this request's error bits, int32, 0 if granted)."""
   P, ps, M = cache.num_pages, cache.page_size, cache.max_pages
+  new_tokens = jnp.maximum(new_tokens.astype(jnp.int32), 0)
   held = pages_held(cache)
   wanted = -(-(cache.lengths + new_tokens) // ps)  # [B] pages each row needs in all
   need = jnp.maximum(wanted - held, 0)  # [B]
@@ -229,10 +238,14 @@ def _allocate(cache: PagedKVCache, new_tokens):
   bits = (jnp.where(jnp.sum(need) > jnp.sum(cache.page_free), POOL_FULL, 0)
           | jnp.where(jnp.any(wanted > M), PAST_TABLE, 0)).astype(jnp.int32)
   new = dataclasses.replace(cache, block_table=table.astype(jnp.int32), page_free=page_free)
-  return _refuse_or_flag(cache, new, bits,
-                         f"new_tokens {_show(new_tokens)}, lengths {_show(cache.lengths)}, "
-                         f"{_show(jnp.sum(cache.page_free))} of {P} pages free, "
-                         f"page_size {ps}, max_pages {M}"), bits
+  return _refused(cache, new, bits), bits
+
+
+def _allocation(cache: PagedKVCache, new_tokens) -> str:
+  """What a refused request asked of which cache (its error message's detail)."""
+  return (f"new_tokens {_show(new_tokens)}, lengths {_show(cache.lengths)}, "
+          f"{_show(np.sum(np.asarray(cache.page_free)))} of {cache.num_pages} pages free, "
+          f"page_size {cache.page_size}, max_pages {cache.max_pages}")
 
 
 def _show(x):
@@ -246,7 +259,7 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
   rest is padding (a prefill of different lengths, then 1 or a few per step).
   Pages are allocated as needed (`allocate`).
   """
-  B, M, ps = cache.batch_size, cache.max_pages, cache.page_size
+  B = cache.batch_size
   K, H, D = cache.key_pages.shape[1], cache.key_pages.shape[3], cache.value_pages.shape[3]
   key, value = jnp.asarray(key), jnp.asarray(value)
   if key.ndim != 4 or key.shape[0] != B or key.shape[2:] != (K, H):
@@ -257,14 +270,23 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
                      f"cache's value_pages {tuple(cache.value_pages.shape)}, got shape "
                      f"{value.shape}")
   T = key.shape[1]
-  new_tokens = jnp.full((B,), T, jnp.int32) if new_tokens is None else _new_tokens(
+  new_tokens = np.full((B,), T, np.int32) if new_tokens is None else _new_tokens(
       cache, new_tokens)
-  if _concrete(new_tokens) and bool(jnp.any(new_tokens > T)):
+  if _concrete(new_tokens) and (np.asarray(new_tokens) > T).any():
     raise ValueError(f"new_tokens: at most T = {T} tokens per row (key {key.shape}), got "
                      f"{_show(new_tokens)}")
-  new_tokens = jnp.minimum(new_tokens, T)
+  appended, bits = _append(cache, key, value, new_tokens)
+  _raise_if_refused(bits, lambda: _allocation(cache, new_tokens))
+  return appended
+
+
+@jax.jit
+def _append(cache: PagedKVCache, key, value, new_tokens):
+  """-> (append's cache, or as it was with `error` flagged; the request's error bits)."""
+  M, ps, K, T = cache.max_pages, cache.page_size, cache.key_pages.shape[1], key.shape[1]
+  new_tokens = jnp.minimum(jnp.maximum(new_tokens.astype(jnp.int32), 0), T)
   grown, bits = _allocate(cache, new_tokens)
-  refused = bits != 0  # (traced) the allocation was refused: write nothing
+  refused = bits != 0  # the allocation was refused: write nothing
   pos = grown.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
   page = jnp.take_along_axis(grown.block_table, jnp.clip(pos // ps, 0, M - 1), axis=1)
   written = (jnp.arange(T)[None, :] < new_tokens[:, None]) & ~refused  # [B, T]
@@ -283,7 +305,7 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
       out[name + "_pages"], out[name + "_scales"] = _append_quantized(
           grown, pool, scales, x, new_tokens, refused)
   lengths = grown.lengths + jnp.where(refused, 0, new_tokens)
-  return dataclasses.replace(grown, lengths=lengths, **out)
+  return dataclasses.replace(grown, lengths=lengths, **out), bits
 
 
 def quantize(x, amax):
@@ -351,6 +373,11 @@ def free(cache: PagedKVCache, rows) -> PagedKVCache:
   if rows.dtype != jnp.bool_ or rows.shape != (cache.batch_size,):
     raise ValueError(f"rows: expected bool [B] = ({cache.batch_size},), got {rows.dtype} "
                      f"with shape {rows.shape}")
+  return _free(cache, rows)
+
+
+@jax.jit
+def _free(cache: PagedKVCache, rows) -> PagedKVCache:
   table = cache.block_table
   released = jnp.where(rows[:, None] & (table != NO_PAGE), table, cache.num_pages)
   page_free = cache.page_free.at[released.reshape(-1)].set(True, mode="drop")
