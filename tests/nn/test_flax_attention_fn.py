@@ -15,7 +15,7 @@ from flax import linen as nn
 from flax import nnx
 
 import jattn
-from tests.compile_flags import FAST_COMPILE_FLAGS
+from tests.compile_flags import fast_compile_flags
 from tests.helpers import raises
 
 B, T, F = 2, 6, 16
@@ -134,7 +134,7 @@ _LONG = textwrap.dedent("""
 def _run_long(which):
   # XLA's default optimisation, not the suite's fast-compile flags (tests/compile_flags.py):
   # one program over 32k tokens runs about 2.5x faster optimised (26 s -> 10.5 s of CPU here)
-  flags = os.environ.get("XLA_FLAGS", "").replace(FAST_COMPILE_FLAGS, "").strip()
+  flags = os.environ.get("XLA_FLAGS", "").replace(fast_compile_flags(), "").strip()
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=flags)
   return subprocess.run([sys.executable, "-c", _LONG, which], env=env, capture_output=True,
                         text=True, timeout=900)
