@@ -8,6 +8,7 @@ sequences (tests/reference.py), with the mods written plainly in NumPy here.
 """
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +190,36 @@ def test_hand_computable_case():
   out = jattn.decode_attention(jnp.ones((1, 1, 1, 2)), cache, query_lengths=jnp.array([1]),
                                mask_mod=lambda b, n, t, s: s < 2)
   np.testing.assert_allclose(np.asarray(out), [[[[2.0]]]], rtol=1e-6)
+
+
+def test_eager_calls_compile_once_and_follow_new_arrays(caplog):
+  """Eager calls with the same static facts (a ready-made mask's included) reuse one
+  compiled program, and its arrays (the cache's pages, a document mask's ids, sinks)
+  are arguments: new values give new outputs, as jax.nn's (float64 NumPy reference)."""
+  cache = jattn.paged.init_cache(2, 16, num_kv_heads=1, head_dim=4, page_size=4)
+  keys = jax.random.normal(jax.random.key(0), (2, 6, 1, 4))
+  cache = jattn.paged.append(cache, keys, keys)
+  q = jax.random.normal(jax.random.key(1), (2, 1, 2, 4))
+  ids = jnp.array([[0, 0, 1, 1, 1, 1] + [0] * 10, [0, 1, 1, 1, 1, 1] + [0] * 10])
+
+  def reference(ids, sinks):
+    s = np.einsum("BNH,BSH->BNS", np.float64(q[:, 0]), np.float64(keys[:, :, 0])) / 2.0
+    s = np.where(np.asarray(ids[:, :6] == ids[:, 5:6])[:, None, :], s, -np.inf)
+    s = np.concatenate([s, np.broadcast_to(np.float64(sinks)[None, :, None], (2, 2, 1))], -1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p[..., :6] / p.sum(-1, keepdims=True)
+    return np.einsum("BNS,BSD->BND", p, np.float64(keys[:, :, 0]))
+
+  def run(ids, sinks):
+    return jattn.decode_attention(q, cache, mask_mod=jattn.mods.document(ids), sinks=sinks)
+
+  np.testing.assert_allclose(run(ids, jnp.zeros(2))[:, 0], reference(ids, np.zeros(2)),
+                             rtol=1e-5, atol=1e-6)
+  other_ids, sinks = jnp.zeros_like(ids).at[:, 3:].set(1), jnp.array([0.5, -1.0])
+  with caplog.at_level(logging.WARNING), jax.log_compiles():
+    out = run(other_ids, sinks)
+  np.testing.assert_allclose(out[:, 0], reference(other_ids, sinks), rtol=1e-5, atol=1e-6)
+  assert not [r.getMessage() for r in caplog.records if "ompil" in r.getMessage()]
 
 
 def _poison_unread(keep_pages):

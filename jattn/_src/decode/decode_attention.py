@@ -6,6 +6,8 @@ Checks every argument before any work, picks an implementation per platform
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +24,7 @@ from jattn._src.masks.programmable import build_mods
 
 def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
            local_window_size, scale, pages_per_step, return_max_logits=False):
-  """-> (DecodeCall, mods, q_lengths, scale, refused): the checked call, before any work.
-
-  refused bool [B]: rows whose query_lengths are out of range, which only a traced
-  call can have (a concrete one raises): their q_lengths are 0 and the caller
-  makes their output NaN.
-  """
+  """-> (DecodeCall, mods, q_lengths, scale): the checked call, before any work."""
   if not isinstance(cache, _paged.PagedKVCache):
     raise TypeError(f"cache must be a jattn.paged.PagedKVCache (jattn.paged.init_cache), "
                     f"got {type(cache).__name__}")
@@ -67,7 +64,7 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
                                      or pages_per_step < 1):
     raise ValueError(f"pages_per_step must be a positive int, got {pages_per_step!r}")
   if query_lengths is None:
-    q_lengths = jnp.full((B,), T, jnp.int32)
+    q_lengths = np.full((B,), T, np.int32)
   else:
     q_lengths = _checks.as_array("query_lengths", query_lengths)
     if not jnp.issubdtype(q_lengths.dtype, jnp.integer) or q_lengths.shape != (B,):
@@ -81,11 +78,8 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
       raise ValueError(f"query_lengths {ql.tolist()}: each row's queries are its last "
                        f"tokens in the cache, so 0 <= query_lengths <= min(T = {T}, "
                        f"cache.lengths {lengths.tolist()})")
-  # Traced: nothing can raise, so an out-of-range row computes nothing (no query at a
-  # negative position) and its output becomes NaN, never a plausible value.
-  refused = (q_lengths < 0) | (q_lengths > T) | (q_lengths > cache.lengths)
-  q_lengths = jnp.where(refused, 0, q_lengths)
-  mods = build_mods(mask_mod, score_mod, sinks, None, N=N)
+  # a ready-made mask_mod stays untraced, for the jit of `_run` to cache on (Mods.traced)
+  mods = build_mods(mask_mod, score_mod, sinks, None, N=N, defer_ready_made=True)
   if scale is None:
     scale = 1.0 / float(np.sqrt(H))
   # what the split path runs: a ready-made mask whose arrays do not fit the cache's
@@ -100,7 +94,7 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
       has_score=score_mod is not None, has_sinks=sinks is not None,
       pages_per_step=pages_per_step, return_max_logits=return_max_logits,
       **_registry.kernel_facts(mods, cache))
-  return call, mods, q_lengths, scale, refused
+  return call, mods, q_lengths, scale
 
 
 def _choices(call, implementation):
@@ -170,11 +164,28 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
     >>> jattn.decode_attention(q, cache, mask_mod=jattn.mods.causal()).shape
     (2, 1, 4, 8)
   """
-  call, mods, q_lengths, scale, refused = _check(
+  call, mods, q_lengths, scale = _check(
       query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal, local_window_size,
       scale, pages_per_step, return_max_logits)
   choices = _choices(call, implementation)
   dispatch.record(choices)
+  # A user's function traced for this call (a jaxpr in the mods) would never hit the
+  # jit's cache, so it runs in the caller's trace; otherwise an eager call compiles once.
+  run = _run if mods is None or mods.is_cacheable else _run.__wrapped__
+  return run(jnp.asarray(query), cache, mods, q_lengths, jnp.asarray(scale, jnp.float32),
+             call=call, choices=choices)
+
+
+@functools.partial(jax.jit, static_argnames=("call", "choices"))
+def _run(query, cache, mods, q_lengths, scale, *, call, choices):
+  """The checked call on every platform (its choice under platform_dependent), keyed on
+  the call's static facts and the choices."""
+  if mods is not None:
+    mods = mods.traced()
+  # Traced: nothing can raise, so an out-of-range row computes nothing (no query at a
+  # negative position) and its output becomes NaN, never a plausible value.
+  refused = (q_lengths < 0) | (q_lengths > call.T) | (q_lengths > cache.lengths)
+  q_lengths = jnp.where(refused, 0, q_lengths)
   options = dict(causal=call.is_causal, window=call.window, dtype=query.dtype,
                  return_max_logits=call.return_max_logits)
 
@@ -192,8 +203,7 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
     return go
 
   branches = {c.platform: (c.key, branch(c)) for c in choices}
-  out, max_logits = dispatch.per_platform(branches, jnp.asarray(query), cache, mods,
-                                          q_lengths, jnp.asarray(scale, jnp.float32))
+  out, max_logits = dispatch.per_platform(branches, query, cache, mods, q_lengths, scale)
   out = jnp.where(refused[:, None, None, None], jnp.nan, out)
   if not call.return_max_logits:
     return out
