@@ -156,36 +156,13 @@ def estimate(generation: str, lengths, max_length, counted) -> dict:
   bandwidth, clock = GENERATIONS[generation]
   devices = topologies.get_topology_desc(f"{generation}=1x1", "tpu").devices
   lengths = np.asarray(lengths)
-  token_bytes = K * (H + D) * 2
   pages = -(-lengths // PAGE)
-  roofline_bytes = int(lengths.sum()) * token_bytes
+  kernel = kernel_estimate(generation, lengths, max_length, counted, "bfloat16", devices)
   out = {"generation": generation, "lengths": lengths.tolist(), "hbm_bytes_per_s": bandwidth,
-         "clock_hz_derived": clock, "roofline_bytes": roofline_bytes,
-         "roofline_us": 1e6 * roofline_bytes / bandwidth}
-
-  compiled, plan = _compile(devices, lengths, max_length, "paged_tpu")
-  assert "jattn_paged_decode_tpu" in compiled.as_text(), "paged_tpu did not take the call"
-  assert plan.splits == 1, "the step count below assumes one split per row"
-  programs = len(lengths) * plan.splits
-  U = plan.step_pages
-  # a row's steps of U pages (the last one short: it repeats its last page); a step is
-  # unmasked when all its keys lie below the row's length (causal, T = 1, no mods)
-  steps = -(-pages // U)
-  whole = lengths // (U * PAGE)
-  dma_bytes = int(steps.sum()) * U * PAGE * token_bytes
-  kernel = {"plan": str(plan), "step_pages": U, "dma_bytes": dma_bytes,
-            "dma_us": 1e6 * dma_bytes / bandwidth,
-            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
-  if counted is not None:
-    total, body, unmasked, masked = counted
-    cycles = (int(whole.sum()) * unmasked + int((steps - whole).sum()) * masked
-              + programs * (total - body))
-    kernel.update(bundles_total=total, bundles_loop_body=body, bundles_unmasked_step=unmasked,
-                  bundles_masked_step=masked, steps_unmasked=int(whole.sum()),
-                  steps_masked=int((steps - whole).sum()),
-                  bundles_per_page=round(cycles / int(pages.sum()), 1),
-                  issue_us=1e6 * cycles / clock)
-  kernel["estimate_us"] = max(kernel["dma_us"], kernel.get("issue_us", 0.0))
+         "clock_hz_derived": clock, "roofline_bytes": kernel.pop("roofline_bytes"),
+         "roofline_us": kernel.pop("roofline_us")}
+  for shared in ("generation", "lengths", "cache_dtype"):
+    del kernel[shared]
   out["paged_tpu"] = kernel
 
   W = 16  # the split path's default at pages of 64 (1024 keys a step)
@@ -202,13 +179,16 @@ def estimate(generation: str, lengths, max_length, counted) -> dict:
   return out
 
 
-def kernel_estimate(generation: str, lengths, max_length, counted, cache_dtype: str) -> dict:
+def kernel_estimate(generation: str, lengths, max_length, counted, cache_dtype: str,
+                    devices=None, pool_factor=1) -> dict:
   """The roofline and paged_tpu's estimate (DMA volume, issue time from `counted`, the
-  kernel's `kernel_bundles`) for pages of cache_dtype, bfloat16 queries. int8 pages move
-  1 byte an entry and their scales: float32 per (page, kv head), keys and values."""
+  kernel's `kernel_bundles`) for pages of cache_dtype, bfloat16 queries, a pool of
+  pool_factor x the pages the lengths need. int8 pages move 1 byte an entry and their
+  scales: float32 per (page, kv head), keys and values."""
   from jax.experimental import topologies
   bandwidth, clock = GENERATIONS[generation]
-  devices = topologies.get_topology_desc(f"{generation}=1x1", "tpu").devices
+  if devices is None:
+    devices = topologies.get_topology_desc(f"{generation}=1x1", "tpu").devices
   lengths = np.asarray(lengths)
   itemsize = 1 if cache_dtype == "int8" else 2
   token_bytes = K * (H + D) * itemsize
@@ -216,10 +196,12 @@ def kernel_estimate(generation: str, lengths, max_length, counted, cache_dtype: 
   pages = -(-lengths // PAGE)
   roofline_bytes = int(lengths.sum()) * token_bytes + int(pages.sum()) * page_extra
   compiled, plan = _compile(devices, lengths, max_length, "paged_tpu", None, cache_dtype,
-                            INT8_POOL_FACTOR)
+                            pool_factor)
   assert "jattn_paged_decode_tpu" in compiled.as_text(), "paged_tpu did not take the call"
   assert plan.splits == 1, "the step count below assumes one split per row"
   U = plan.step_pages
+  # a row's steps of U pages (the last one short: it repeats its last page); a step is
+  # unmasked when all its keys lie below the row's length (causal, T = 1, no mods)
   steps = -(-pages // U)
   whole = lengths // (U * PAGE)
   # the scales come with the work list (scalar prefetch): once per listed page
@@ -227,13 +209,16 @@ def kernel_estimate(generation: str, lengths, max_length, counted, cache_dtype: 
   out = {"generation": generation, "cache_dtype": cache_dtype, "lengths": lengths.tolist(),
          "roofline_bytes": roofline_bytes, "roofline_us": 1e6 * roofline_bytes / bandwidth,
          "plan": str(plan), "step_pages": U, "dma_bytes": dma_bytes,
-         "dma_us": 1e6 * dma_bytes / bandwidth}
+         "dma_us": 1e6 * dma_bytes / bandwidth,
+         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
   if counted is not None:
     total, body, unmasked, masked = counted
     cycles = (int(whole.sum()) * unmasked + int((steps - whole).sum()) * masked
               + len(lengths) * (total - body))
-    out.update(bundles_total=total, bundles_unmasked_step=unmasked,
-               bundles_masked_step=masked, bundles_per_page=round(cycles / int(pages.sum()), 1),
+    out.update(bundles_total=total, bundles_loop_body=body, bundles_unmasked_step=unmasked,
+               bundles_masked_step=masked, steps_unmasked=int(whole.sum()),
+               steps_masked=int((steps - whole).sum()),
+               bundles_per_page=round(cycles / int(pages.sum()), 1),
                issue_us=1e6 * cycles / clock)
   out["estimate_us"] = max(out["dma_us"], out.get("issue_us", 0.0))
   return out
@@ -261,7 +246,8 @@ def main_int8(out_path=None):
         f"{'bundles/page':>12} {'estimate':>9} {'est/roof':>8} {'bf16/int8':>9}")
   for g in GENERATIONS:
     for name, (lengths, max_length) in BATCHES.items():
-      r = {d: kernel_estimate(g, lengths, max_length, counted[g, name, d], d) for d in dtypes}
+      r = {d: kernel_estimate(g, lengths, max_length, counted[g, name, d], d,
+                              pool_factor=INT8_POOL_FACTOR) for d in dtypes}
       for d in dtypes:
         k = r[d]
         k["batch"] = name
