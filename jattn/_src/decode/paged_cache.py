@@ -35,6 +35,7 @@ refused whole (the cache stays as it was) and its bit is set in `error`;
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -159,8 +160,9 @@ def _refused(cache: PagedKVCache, new: PagedKVCache, bits) -> PagedKVCache:
   return dataclasses.replace(kept, error=cache.error | bits)
 
 
-def _raise_if_refused(bits, detail: str) -> None:
-  """Eagerly (concrete bits): the ValueError of a failed request, naming its arrays."""
+def _raise_if_refused(bits, detail: Callable[[], str]) -> None:
+  """Eagerly (concrete bits): the ValueError of a failed request, naming its arrays
+  (detail() says what was asked of which cache; only built for the error)."""
   if _concrete(bits) and int(bits):
     raise ValueError("new_tokens: " + "; ".join(ERRORS[b] for b in ERRORS if int(bits) & b)
                      + f" ({detail()})")
