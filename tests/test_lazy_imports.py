@@ -26,6 +26,7 @@ def test_import_jattn_and_a_call_pull_in_no_flax_or_example_libraries():
 @pytest.mark.parametrize("code", ["import jattn.nnx", "from jattn import linen",
                                   "import jattn; jattn.transformer.Transformer"])
 def test_the_flax_submodules_load_on_use(code):
+  imported = _imported_after(code)  # (one interpreter: each imports flax anew, seconds)
   # flax brings optax itself (a dependency of flax); jattn adds nothing of the examples'
-  assert {"orbax", "ml_collections", "matplotlib", "tqdm"}.isdisjoint(_imported_after(code))
-  assert "flax" in _imported_after(code)
+  assert {"orbax", "ml_collections", "matplotlib", "tqdm"}.isdisjoint(imported)
+  assert "flax" in imported
