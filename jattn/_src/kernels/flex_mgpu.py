@@ -203,8 +203,8 @@ def _ws_dkv_rows(mods, facts) -> int:
   (the compile tier, H100: soft-cap, ALiBi, chunked, and/or, a hand-written pair) and
   none with 32. 32 costs more instructions per query (+7% soft-cap, +19% causal in the
   inner loop's SASS), so the light cases keep 64. NOT MEASURED on a GPU."""
-  if _WS_DKV_ROWS.get():
-    return _WS_DKV_ROWS.get()
+  if forced := _WS_DKV_ROWS.get():
+    return forced
   divides = mods is not None and mods.has_mask and bool(
       {"div", "rem", "floor"} & tile_mods.primitives(mods.traced().mask_jaxpr))
   return 32 if facts.has_score or divides else 64

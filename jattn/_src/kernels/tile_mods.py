@@ -349,8 +349,8 @@ def primitives(jaxpr) -> set[str]:
   names = set()
   for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
     names.add(eqn.primitive.name)
-    if _called(eqn) is not None:
-      names |= primitives(_called(eqn))
+    if (sub := _called(eqn)) is not None:
+      names |= primitives(sub)
   return names
 
 
