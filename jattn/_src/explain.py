@@ -53,10 +53,9 @@ def explain(query, key, value, bias=None, mask=None, *, implementation=None,
     >>> report = jattn.explain(q, q, q, is_causal=True)
     >>> report.implementation("tpu"), report.implementation("cpu")
     ('flex_tpu', 'blockwise')
-    >>> ids = jnp.zeros((1, 1024), jnp.int32)
-    >>> report = jattn.explain(q, q, q, q_segment_ids=ids, kv_segment_ids=ids)
+    >>> report = jattn.explain(q, q, q, is_causal=True, scale=jnp.float32(0.1))
     >>> report.implementation("tpu"), report.reasons("tpu")["flex_tpu"]
-    ('splash', 'segment ids: not in the kernel yet')
+    ('splash', 'a traced scale: the kernel takes a Python number')
   """
   if compile is not None and (mesh is not None or implementation in ("ring",
                                                                      "context_parallel")):

@@ -62,18 +62,16 @@ def test_every_api_is_there_and_a_missing_one_is_named(api, how, monkeypatch):
 
 
 T = 256
-SEGMENTS = dict(is_causal=True, q_segment_ids=jnp.zeros((1, T), jnp.int32),
-                kv_segment_ids=jnp.zeros((1, T), jnp.int32))
+TRACED_SCALE = dict(is_causal=True, scale=jnp.float32(0.125))
 # api -> (the implementation that needs it, the platform, a call it takes when the API
 # is there, the implementation=None choice then, and without the API)
 CASES = {
-    # segment ids: flex_tpu refuses them, so splash takes them
-    "splash_kernel": ("splash", "tpu", SEGMENTS, "splash", "xla"),
-    "splash_mask": ("splash", "tpu", SEGMENTS, "splash", "xla"),
-    "splash_computable_mask": ("splash", "tpu", SEGMENTS, "splash", "xla"),
+    # a traced scale: flex_tpu refuses it, so splash takes it
+    "splash_kernel": ("splash", "tpu", TRACED_SCALE, "splash", "xla"),
+    "splash_mask": ("splash", "tpu", TRACED_SCALE, "splash", "xla"),
+    "splash_computable_mask": ("splash", "tpu", TRACED_SCALE, "splash", "xla"),
     # pallas is the default on CUDA where flex_gpu refuses: a traced scale
-    "pallas_mha": ("pallas", "cuda", dict(is_causal=True, scale=jnp.float32(0.125)), "pallas",
-                   "xla"),
+    "pallas_mha": ("pallas", "cuda", TRACED_SCALE, "pallas", "xla"),
     # a window: jax's mha refuses it, so flex_gpu takes it (without Triton, flex_mgpu)
     "pallas_triton": ("flex_gpu", "cuda", dict(local_window_size=(64, 0)), "flex_gpu",
                       "flex_mgpu"),

@@ -31,7 +31,7 @@ IDS = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [100, 200, 340], axis=1).astyp
 CASES = {
     "causal": (dict(is_causal=True), K, {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "window_segments": (dict(local_window_size=(64, 0), q_segment_ids=IDS,
-                             kv_segment_ids=IDS), K, {"tpu": "splash", "cuda": "flex_gpu"}),
+                             kv_segment_ids=IDS), K, {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "grouped_heads": (dict(), 1, {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
     "soft_cap_sinks": (dict(is_causal=True, score_mod=mods.soft_cap(20.0),
                             sinks=jnp.linspace(-1.0, 1.0, N)), K, {"tpu": "flex_tpu", "cuda": "flex_gpu"}),
@@ -190,7 +190,7 @@ def test_explain_reports_plans_and_reasons_for_every_platform():
   assert report.reasons("cuda")["cudnn"].startswith("it cannot honour mask_mod")
   text = str(report)
   assert "tpu: flex_tpu" in text and "not cudnn: it cannot honour mask_mod" in text
-  assert "why: flex_tpu before splash for mods.document" in text
+  assert "why: flex_tpu before splash for segment ids and mods.document" in text
   # causal alone: flex_tpu too (one kernel for every mask), with the schedule's figures
   causal = jattn.explain(q, q, q, is_causal=True)
   assert causal.implementation("tpu") == "flex_tpu"

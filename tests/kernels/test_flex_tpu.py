@@ -6,6 +6,7 @@ the Pallas-to-Mosaic lowering (`tpu_custom_call`, no [T, S] tensor), not the
 TPU compiler's last passes.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -19,7 +20,7 @@ from jattn._src.masks.modifiers import Modifiers
 from jattn._src.kernels import flex_tpu, flex_tpu_call
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
-from tests.reference import reference_attention
+from tests.reference import reference_attention, reference_mask
 from tests.reference_grads import reference_vjp, table_grad
 
 B, T, S, N, K, H = 1, 200, 250, 2, 1, 128  # T, S not multiples of the tiles
@@ -486,6 +487,118 @@ def test_document_mask_export_has_no_TS_tensor():
   text = _export_text(jattn.mods.document(ids[:, :1024], ids), None, None)
   assert text.count("tpu_custom_call") >= 1
   assert not re.search(r"tensor<[^>]*\b1024x2048", text)
+
+
+# ---------------------------------------------------------------- lengths and segment ids
+
+
+def _lengths_and_documents(is_causal=True, q_ids=None, kv_ids=None, q_lengths=(150, 200),
+                           kv_lengths=(250, 100)):
+  """MaskSpec: causal, 4 documents per row (or the ids given), query lengths (150, 200)
+  and key lengths (250, 100) for B = 2 rows of T = 200 queries and S = 250 keys: rows
+  past a length, and rows whose document has no key left, see no key."""
+  return MaskSpec(is_causal=is_causal, q_lengths=jnp.asarray(q_lengths, jnp.int32),
+                  kv_lengths=jnp.asarray(kv_lengths, jnp.int32),
+                  q_segment_ids=_documents(2, T, 4, 5) if q_ids is None else q_ids,
+                  kv_segment_ids=_documents(2, S, 4, 6) if kv_ids is None else kv_ids)
+
+
+def _structure_allowed(st, user=None):
+  """bool [2, N, T, S]: the float64 reference's mask of `st`, ANDed with `user` [T, S]."""
+  return reference_mask(2, N, T, S, mask=user, is_causal=st.is_causal,
+                        q_lengths=st.q_lengths, kv_lengths=st.kv_lengths,
+                        q_segment_ids=st.q_segment_ids, kv_segment_ids=st.kv_segment_ids)
+
+
+USER_MASKS = {  # mask_mod, and the same mask [T, S] in NumPy
+    "none": (None, None),
+    "ready_made_window": (jattn.mods.sliding_window(60), lambda t, s: s >= t - 60),
+    "hand_written": (lambda b, n, t, s: (t - s) % 3 != 1, lambda t, s: (t - s) % 3 != 1)}
+
+
+@pytest.mark.parametrize("user", list(USER_MASKS))
+def test_lengths_and_segment_ids_as_mask_mods_values_lse_and_gradients(user):
+  """Sequence lengths and segment ids, which the kernel reads as mask mods
+  (`structure_mods`): alone, ANDed with a ready-made mask_mod (block classes in closed
+  form) and with a hand-written one (one jaxpr of both). out, lse and the gradients of
+  q, k and v against float64 NumPy; rows that see no key give zeros."""
+  mask_mod, numpy_mask = USER_MASKS[user]
+  st = _lengths_and_documents()
+  user_allowed = None if numpy_mask is None else numpy_mask(*_grid())
+  allowed = _structure_allowed(st, user_allowed)
+  r = np.random.default_rng(7)
+  q, k, v = (jnp.asarray(r.normal(size=(2, n_, N, H)), jnp.float32) for n_ in (T, S, S))
+  d_out = r.normal(size=(2, T, N, H))
+  (out, _, lse), pullback = jax.vjp(
+      lambda q, k, v: _run(q, k, v, mask_mod=mask_mod, structure=st), q, k, v)
+  grads = pullback((jnp.asarray(d_out, jnp.float32), None, jnp.zeros_like(lse)))
+  want, *want_grads, _ = reference_vjp(
+      q, k, v, d_out, mask=user_allowed, is_causal=True, query_seq_lengths=st.q_lengths,
+      key_value_seq_lengths=st.kv_lengths, q_segment_ids=st.q_segment_ids,
+      kv_segment_ids=st.kv_segment_ids)
+  np.testing.assert_allclose(out, want, atol=2e-6)
+  seen = allowed.any(-1)  # [2, N, T]
+  assert not seen.all() and seen.any()
+  assert np.all(np.asarray(out).transpose(0, 2, 1, 3)[~seen] == 0)
+  np.testing.assert_allclose(np.asarray(lse)[seen], _lse(q, k, allowed)[seen], atol=2e-5)
+  for name, g, w in zip("qkv", grads, want_grads):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_lengths_and_segment_ids_classify_the_tiles_exactly():
+  """The tiles' classes with lengths and documents (numbered 0, 1, 2, ..) equal the
+  classes counted from the float64 reference's dense mask: EMPTY where a tile sees no
+  entry, FULL where it sees every one (its part inside T and S), so the kernel skips the
+  tiles past a length and between documents (not causal, 2 documents cut at a tile's
+  edge: FULL tiles too; lengths at a tile's first and last position)."""
+  from jattn._src.kernels.tile_classes import tile_classes
+  from jattn._src.masks.structure_mods import as_mask_mods
+  ids = lambda L: jnp.asarray(np.broadcast_to(np.arange(L) >= 128, (2, L)), jnp.int32)
+  st = _lengths_and_documents(is_causal=False, q_ids=ids(T), kv_ids=ids(S),
+                              q_lengths=(128, 191), kv_lengths=(250, 127))
+  m = Modifiers(structure=st, scale=1.0)
+  p = flex_tpu.plan(B=2, T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32, modifiers=m,
+                    block_q=64, block_kv=128)
+  assert not isinstance(p, str) and p.skip and p.has_mask_mod, p
+  got = np.asarray(tile_classes(p, as_mask_mods(m).mods.traced()))
+  allowed = _structure_allowed(st)[:, 0]  # [2, T, S]
+  pad = np.zeros((2, p.T_padded, p.S_padded), bool)
+  inside = np.zeros_like(pad)
+  pad[:, :T, :S], inside[:, :T, :S] = allowed, True
+  tiles = lambda x: x.reshape(2, p.T_padded // 64, 64, p.S_padded // 128, 128)
+  count, total = tiles(pad).sum((2, 4)), tiles(inside).sum((2, 4))
+  want = np.where(count == 0, 0, np.where(count == total, 2, 1))
+  assert got.shape == (2, 1) + want.shape[1:]
+  np.testing.assert_array_equal(got[:, 0], want)
+  assert (want == 0).any() and (want == 2).any(), want  # both kinds occur
+
+
+def test_a_block_mask_with_segment_ids_is_not_trusted_for_full_tiles():
+  """A block_mask of causal calls some tiles FULL that the documents cut: the kernel
+  must classify the call's whole mask again (a FULL tile would skip the documents)."""
+  from jattn._src.core.block_sizes import BlockSizes
+  st = dataclasses.replace(_lengths_and_documents(), is_causal=False, q_lengths=None,
+                           kv_lengths=None)
+  bm = jattn.create_block_mask(jattn.mods.causal(), None, None, T, S,
+                               block_sizes=BlockSizes(64, 128))
+  assert (np.asarray(bm.classes) == 2).any()
+  r = np.random.default_rng(8)
+  q, k, v = (jnp.asarray(r.normal(size=(2, n_, N, H)), jnp.float32) for n_ in (T, S, S))
+  m = Modifiers(mods=build_mods(jattn.mods.causal(), None, None, bm, N=N), structure=st,
+                scale=1 / np.sqrt(H))
+  p = flex_tpu.plan(B=2, T=T, S=S, N=N, K=N, H=H, D=H, dtype=q.dtype, modifiers=m,
+                    block_q=64, block_kv=128, interpret=True)
+  out = flex_tpu_call.run(p, q, k, v, m, Layout("BTNH"))[0]
+  want = reference_attention(q, k, v, is_causal=True, q_segment_ids=st.q_segment_ids,
+                             kv_segment_ids=st.kv_segment_ids)
+  np.testing.assert_allclose(out, want, atol=2e-6)
+
+
+def test_lengths_and_segment_ids_in_a_ring_step_are_left_to_the_ring():
+  st = _lengths_and_documents()
+  p = flex_tpu.plan(B=2, T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32,
+                    modifiers=Modifiers(structure=st), offsets=True)
+  assert isinstance(p, str) and "in a ring step" in p, p
 
 
 @pytest.mark.parametrize("gradients", [

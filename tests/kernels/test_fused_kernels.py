@@ -181,7 +181,9 @@ def test_splash_without_interpret_on_cpu_names_the_platform():
     # flex_tpu first for every mask (the TPU compiler's schedule: registry.preference)
     ("tpu", jnp.float32, dict(is_causal=True), "flex_tpu"),
     ("tpu", jnp.bfloat16, dict(mask_mod=mods.sliding_window(8)), "flex_tpu"),
-    ("tpu", jnp.bfloat16, dict(q_segment_ids=IDS, kv_segment_ids=IDS), "splash"),
+    ("tpu", jnp.bfloat16, dict(q_segment_ids=IDS, kv_segment_ids=IDS), "flex_tpu"),
+    # a traced scale: flex_tpu takes a Python number, splash folds it into the query
+    ("tpu", jnp.float32, dict(is_causal=True, scale=jnp.float32(0.3)), "splash"),
     ("tpu", jnp.float32, dict(bias=np.zeros((1, 1, T, T), np.float32)), "xla"),
     ("tpu", jnp.float32, dict(return_weights=True), "xla"),
     ("cuda", jnp.bfloat16, dict(is_causal=True), "cudnn"),

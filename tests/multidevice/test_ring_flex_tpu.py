@@ -124,7 +124,9 @@ def test_explain_ring_under_a_mesh_names_the_step_and_the_reason():
   assert kernel.choices["tpu"].plan.plan.has_mask_mod
   assert kernel.choices["cpu"].plan.implementation == "blockwise"
   assert refused.choices["tpu"].plan.implementation == "blockwise"
-  assert refused.reasons("tpu") == {"flex_tpu": "sequence lengths: not in the kernel yet"}
+  assert refused.reasons("tpu") == {"flex_tpu": "sequence lengths and segment ids in a ring "
+                                                "step: the ring applies them (its blockwise "
+                                                "step)"}
   with pytest.raises(ValueError, match="needs a mesh with a 'seq' axis"):
     jattn.explain(q, q, q, implementation="ring")
 

@@ -180,8 +180,10 @@ def _window(call) -> bool:
 
 
 def _documents(call) -> bool:
-  """The call's mask_mod holds a ready-made mods.document (splash takes it as segment ids)."""
-  return call.mask_mod is not None and kernel_plans.find_document(call.mask_mod) is not None
+  """The call has segment ids, or its mask_mod holds a ready-made mods.document (each
+  kernel reads the other as its own)."""
+  return call.structure.q_segment_ids is not None or (
+      call.mask_mod is not None and kernel_plans.find_document(call.mask_mod) is not None)
 
 
 def why_first(call, platform: str, name: str) -> str | None:
@@ -191,8 +193,9 @@ def why_first(call, platform: str, name: str) -> str | None:
     return None
   estimate = "estimated from the TPU compiler's schedule (benchmarks/tpu_schedule.py), not "
   if _documents(call):
-    return ("flex_tpu before splash for mods.document masks: splash applies segment ids "
-            "on every tile and skips none, flex_tpu skips the tiles between documents; "
+    return ("flex_tpu before splash for segment ids and mods.document masks: splash applies "
+            "segment ids on every tile and skips none, flex_tpu skips the tiles between "
+            "documents; "
             + estimate + "measured on a TPU: 0.15x to 0.43x of splash's time (v5e, v6e; 16 "
             "documents, H = 128 and 256, T = 4k and 16k)")
   if _window(call):

@@ -15,7 +15,8 @@ kv step writes out and lse = m + log l (and m itself, the row's largest visible
 logit, when the plan asks for max logits). T and S are padded to the tiles, and
 the padded keys masked. Positions t, s are iota tiles; b and n the program's
 indices; the mods' captured arrays are in SMEM (scalar prefetch), see
-`tile_mods`. Sinks are applied to (out, lse) after the kernel, as blockwise does.
+`tile_mods`. Sequence lengths and segment ids are read as mask mods
+(`structure_mods`). Sinks are applied to (out, lse) after the kernel, as blockwise does.
 The kernels are in `flex_tpu_kernels`; docs/tpu_kernel.md has the whole design.
 
 Backward: a custom VJP with two Pallas kernels recomputing the weights from
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import compat
+from jattn._src.masks import structure_mods
 from jattn._src.masks.modifiers import Modifiers
 from jattn._src.kernels import kernel_plan
 from jattn._src.kernels.kernel_plan import round_up
@@ -102,11 +104,12 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
       return_weights=return_weights, platform="TPU")
   if reason:
     return reason
+  if structure_mods.has_lengths_or_segments(m.structure):
+    if offsets:
+      return ("sequence lengths and segment ids in a ring step: the ring applies them "
+              "(its blockwise step)")
+    m = structure_mods.as_mask_mods(m)  # read as mask mods, as `flex_tpu_call.run` does
   st = m.structure
-  if st.q_lengths is not None or st.kv_lengths is not None:
-    return "sequence lengths: not in the kernel yet"
-  if st.q_segment_ids is not None or st.kv_segment_ids is not None:
-    return "segment ids: not in the kernel yet"
   facts = kernel_plan.mods_facts(m.mods, smem=True)
   if isinstance(facts, str):
     return facts

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jattn._src.core.layout import Layout
 from jattn._src.kernels import kernel_plan, kernel_vjp
 from jattn._src.kernels.flex_tpu import Plan
+from jattn._src.masks import structure_mods
 from jattn._src.masks.modifiers import Modifiers
 
 
@@ -32,13 +33,19 @@ def _backward(*args):
 # -> (out, None, lse float32 [B, N, T], max logits or None), as `blockwise_attention`:
 # the kernels under jattn's kernel VJP (sinks after the forward); a call nothing
 # differentiates runs the forward without the gradients' float32 residual
-run = kernel_vjp.kernel_run(
+_run = kernel_vjp.kernel_run(
     lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods,
                                                        None, True),  # out in float32
     lambda plan_, layout, q, k, v, modifiers, out, lse, d_out: _backward(
         plan_, layout, q, k, v, modifiers.mods, out, lse, d_out),
     lambda plan_, layout, q, k, v, modifiers: _forward(plan_, layout, q, k, v, modifiers.mods,
                                                        None, False))
+
+
+def run(plan_: Plan, query, key, value, modifiers: Modifiers, layout: Layout):
+  """The kernels on this call, its sequence lengths and segment ids read as mask mods (as
+  `flex_tpu.plan` planned them)."""
+  return _run(plan_, query, key, value, structure_mods.as_mask_mods(modifiers), layout)
 
 
 # ---------------------------------------------------------------- one ring step

@@ -11,6 +11,9 @@ or the least and greatest segment id in each block (document), so a whole
   chunked         chunk ranges [qf // c, ql // c] and [kf // c, kl // c]: EMPTY if
                   disjoint, FULL if both are the same single chunk
   prefix_lm       key s visible to t iff s < max(t + 1, prefix[b])
+  lengths         (query_seq_lengths, key_value_seq_lengths; jattn's own, not public)
+                  EMPTY if a block starts at or past a length, FULL if it ends before
+                  both
   document        id ranges per block: EMPTY if disjoint, FULL if both hold one
                   and the same id (exact for packed documents numbered 0, 1, 2..;
                   a range that skips an id may leave a block PARTIAL that is
@@ -39,7 +42,7 @@ def is_closed_form(mask_mod) -> bool:
   if isinstance(mask_mod, (_mods.And, _mods.Or)):
     return all(is_closed_form(m) for m in mask_mod.mask_mods)
   return isinstance(mask_mod, (_mods.Causal, _mods.SlidingWindow, _mods.Chunked,
-                               _mods.PrefixLM, _mods.Document))
+                               _mods.PrefixLM, _mods.Document, _mods.Lengths))
 
 
 class _Blocks:
@@ -91,6 +94,19 @@ def _of(mask_mod, g: _Blocks, B: int):
       return None
     p = prefix.astype(jnp.int32)[:, None, None]  # [B, 1, 1]
     return _classes(g.kf >= jnp.maximum(g.ql + 1, p), g.kl < jnp.maximum(g.qf + 1, p))
+  if isinstance(mask_mod, _mods.Lengths):
+    empty, full = False, True
+    for lengths, first, last in ((mask_mod.q_lengths, g.qf, g.ql),
+                                 (mask_mod.kv_lengths, g.kf, g.kl)):
+      if lengths is None:
+        continue
+      lengths = jnp.asarray(lengths)
+      if lengths.ndim != 1 or lengths.shape[0] not in (1, B):
+        return None
+      n = lengths.astype(jnp.int32)[:, None, None]  # [B, 1, 1]
+      empty, full = empty | (first >= n), full & (last < n)
+    grid = g.qf + g.kf  # [nq, nk]: a length on one side alone still spans both axes
+    return _classes(*jnp.broadcast_arrays(empty, full, grid)[:2])
   if isinstance(mask_mod, _mods.Document):
     q_ids, kv_ids = (jnp.asarray(x) for x in (mask_mod.q_segment_ids, mask_mod.kv_segment_ids))
     if (q_ids.ndim != 2 or kv_ids.ndim != 2 or q_ids.shape[0] not in (1, B)

@@ -68,6 +68,24 @@ class Document:
     return jnp.asarray(self.q_segment_ids)[b, t] == jnp.asarray(self.kv_segment_ids)[b, s]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Lengths:
+  """t < q_lengths[b] and s < kv_lengths[b]: query_seq_lengths and key_value_seq_lengths
+  as a mask mod (either may be None), for the kernels that take lengths as a mask
+  (`structure_mods`); not in the public jattn.mods, whose callers pass the lengths."""
+
+  q_lengths: object  # int [B] or None
+  kv_lengths: object  # int [B] or None
+
+  def __call__(self, b, n, t, s):
+    keep = jnp.bool_(True)
+    if self.q_lengths is not None:
+      keep = keep & (t < jnp.asarray(self.q_lengths)[b])
+    if self.kv_lengths is not None:
+      keep = keep & (s < jnp.asarray(self.kv_lengths)[b])
+    return keep
+
+
 @dataclasses.dataclass(frozen=True)
 class And:
   """mask_mods[0](b, n, t, s) & mask_mods[1](...) & ..."""
@@ -307,6 +325,7 @@ def relative_bias(table) -> RelativeBias:
 for _cls, _arrays, _static in (
     (Causal, [], []), (SlidingWindow, [], ["left", "right"]), (Chunked, [], ["size"]),
     (PrefixLM, ["prefix_lengths"], []), (Document, ["q_segment_ids", "kv_segment_ids"], []),
+    (Lengths, ["q_lengths", "kv_lengths"], []),
     (And, ["mask_mods"], []), (Or, ["mask_mods"], []), (SoftCap, ["cap"], []),
     (Alibi, ["slopes"], []), (RelativeBias, ["table"], [])):
   jax.tree_util.register_dataclass(_cls, data_fields=_arrays, meta_fields=_static)

@@ -71,8 +71,7 @@ class Mods:
     static fields alone caches across calls."""
     if self.is_traced:
       return self
-    closed = _trace("mask_mod", self.mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool")
-    jaxpr, consts = compat.open_jaxpr(closed)
+    jaxpr, consts = trace_mask_mod(self.mask_mod)
     return dataclasses.replace(self, mask_jaxpr=jaxpr, mask_consts=consts)
 
   @property
@@ -166,6 +165,12 @@ def _trace(name: str, fn, args, call: str, want: str):
 _MASK_CALL = "(b, n, t, s) -> bool"
 
 
+def trace_mask_mod(mask_mod) -> tuple:
+  """mask_mod traced on int32 scalars -> (jaxpr, consts), checking it returns one bool;
+  the arrays it closes over (traced or not) become the consts."""
+  return compat.open_jaxpr(_trace("mask_mod", mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool"))
+
+
 def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
                defer_ready_made: bool = False) -> Mods | None:
   """Checks the programmable arguments (before any work) and bundles them; None if all absent.
@@ -177,8 +182,7 @@ def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
   fields = {}
   if mask_mod is not None:
     _check_arity("mask_mod", mask_mod, 4, _MASK_CALL)
-    closed = _trace("mask_mod", mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool")
-    jaxpr, consts = compat.open_jaxpr(closed)
+    jaxpr, consts = trace_mask_mod(mask_mod)
     fields.update(mask_jaxpr=jaxpr, mask_consts=consts)
     if is_closed_form(mask_mod):
       fields["mask_mod"] = mask_mod
