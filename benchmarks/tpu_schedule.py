@@ -196,6 +196,9 @@ def call_kwargs(case: str, T: int, N: int):
     return dict(is_causal=True, local_window_size=(1023, 0))
   if case == "documents":
     return dict(mask_mod=jattn.mods.document(jnp.asarray(doc_ids(T))))
+  if case == "segments":  # the same documents as segment ids (flex_tpu: as mods.document)
+    ids = jnp.asarray(doc_ids(T))
+    return dict(q_segment_ids=ids, kv_segment_ids=ids)
   if case == "softcap":
     return dict(causal, score_mod=jattn.mods.soft_cap(30.0))
   if case == "alibi":
@@ -206,8 +209,9 @@ def call_kwargs(case: str, T: int, N: int):
   raise ValueError(case)
 
 
-FLEX_CASES = ("none", "causal", "window", "documents", "softcap", "alibi", "relbias")
-SPLASH_CASES = ("none", "causal", "window", "documents", "softcap")
+FLEX_CASES = ("none", "causal", "window", "documents", "segments", "softcap", "alibi",
+              "relbias")
+SPLASH_CASES = ("none", "causal", "window", "documents", "segments", "softcap")
 # the kernels' names in the dump (regular expressions): splash names its kernels by
 # heads (mha, or mqa for grouped heads), segment ids and residuals
 KERNELS = {"flex_tpu": {"fwd": "jattn_flex_tpu_fwd", "dq": "jattn_flex_tpu_dq",
@@ -329,12 +333,16 @@ def flex_counts(case, T, N, K, H):
   from jattn._src.masks.modifiers import Modifiers
   from jattn._src.masks.programmable import build_mods
   from jattn._src.masks.structural import MaskSpec
+  from jattn._src.masks.structure_mods import as_mask_mods
   kw = call_kwargs(case, T, N)
   window = kw.get("local_window_size")
   spec = MaskSpec(is_causal=kw.get("is_causal", False),
-                  local_window=None if window is None else tuple(window))
+                  local_window=None if window is None else tuple(window),
+                  q_segment_ids=kw.get("q_segment_ids"), kv_segment_ids=kw.get("kv_segment_ids"))
   mods = build_mods(kw.get("mask_mod"), kw.get("score_mod"), None, None, N=N)
   m = Modifiers(mods=mods, structure=spec, scale=1 / np.sqrt(H))
+  # the kernel reads segment ids as a mods.document mask (`structure_mods`)
+  mods = as_mask_mods(m).mods
   p = flex_tpu.plan(B=1, T=T, S=T, N=N, K=K, H=H, D=H, dtype=jnp.bfloat16, modifiers=m)
   if isinstance(p, str):
     raise RuntimeError(f"flex_tpu refuses {case}: {p}")
