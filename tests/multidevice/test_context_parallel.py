@@ -413,6 +413,35 @@ def test_every_strategy_on_one_device_with_a_window():
     np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5, err_msg=strategy)
 
 
+def test_an_eager_call_compiles_once_per_mesh(caplog):
+  """Called eagerly, a strategy's program is compiled once for its static description and
+  then reused: new values (the query and the document ids the mask_mod reads) compile
+  nothing. A second mesh of other axis types is a program of its own, with its sharding.
+  Values against float64 NumPy."""
+  import logging
+  from jax.sharding import AxisType
+  rng = np.random.default_rng(1)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+  t_, s_ = np.arange(8)[:, None], np.arange(8)[None, :]
+
+  def check(mesh, q, ids):
+    out = jattn.ring_attention(q, q, q, mesh=mesh, is_causal=True,
+                               mask_mod=mods.document(ids))
+    allowed = (s_ <= t_) & (ids[:, None, :, None] == ids[:, None, None, :])
+    np.testing.assert_allclose(out, reference_mods(q, q, q, allowed=allowed)[0], rtol=2e-5,
+                               atol=2e-5)
+    return out
+
+  draw = lambda: rng.standard_normal((2, 8, 2, 4)).astype(np.float32)
+  check(mesh, draw(), np.array([[0, 0, 0, 1, 1, 1, 1, 1]] * 2, np.int32))
+  with caplog.at_level(logging.WARNING), jax.log_compiles():
+    check(mesh, draw(), np.array([[0, 1, 1, 1, 1, 2, 2, 2]] * 2, np.int32))
+  assert not [r.getMessage() for r in caplog.records if "ompil" in r.getMessage()]
+  explicit = jax.make_mesh((1,), ("seq",), axis_types=(AxisType.Explicit,))
+  out = check(explicit, draw(), np.array([[0, 0, 1, 1, 1, 1, 1, 1]] * 2, np.int32))
+  assert out.sharding.mesh.axis_types == (AxisType.Explicit,)
+
+
 def test_implementation_context_parallel_runs_the_chosen_strategy_over_the_context_mesh():
   """dot_product_attention(implementation="context_parallel") inside jax.set_mesh (what the
   modules and the Transformer pass through): the strategy the plan chooses, over the "seq"

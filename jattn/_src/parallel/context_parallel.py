@@ -14,6 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jattn._src.call import make_call
 from jattn._src.core.layout import parse_layout
@@ -269,21 +270,11 @@ def run(caller, query, key, value, bias=None, mask=None, *, mesh, axis_name, str
                  head_axis_name=head_axis_name, load_balance=load_balance,
                  block_sizes=block_sizes, layout=layout, **kwargs)
   call, plan = prep.call, prep.plan
-  to_home = home(query, parse_layout(layout, query.shape), mesh)
   lay, structure, mods = call.layout, call.structure, call.modifiers.mods
   shape, local, pair = _local_shape(prep)
   modifiers = Modifiers(structure=structure, mods=mods, scale=prep.scale)
-  if mods is not None and mods.block_mask is not None:
-    mods = dataclasses.replace(mods, block_mask=None)  # each step classifies its range
-  visible = None
-  if plan.strategy != "ulysses" and block_work.has_masks(structure, call.modifiers.mods):
-    ids = [replicated(x, mesh) for x in (structure.q_lengths, structure.kv_lengths,
-                                         structure.q_segment_ids, structure.kv_segment_ids)]
-    visible = block_work.classes(
-        MaskSpec(structure.is_causal, structure.local_window, *ids),
-        call.modifiers.mods, call.dims.B, call.dims.T, call.dims.S, *pair)
   block_sizes = call.block_sizes
-  branches, choices = {}, []
+  branches, choices = [], []
   for platform in PLATFORMS:
     sizes = (block_sizes or default_block_sizes(platform)).clipped(*pair)
     kernel = _step_kernel(platform, local, pair, call.dtype, modifiers, block_sizes,
@@ -298,19 +289,74 @@ def run(caller, query, key, value, bias=None, mask=None, *, mesh, axis_name, str
     ring = Ring(axis_name, plan.P, scale=prep.scale, is_causal=structure.is_causal,
                 local_window=structure.local_window, layout=lay, block_sizes=sizes,
                 kernel=kernel, max_logits=call.return_max_logits, **shape)
-    branches[platform] = (step, functools.partial(
-        sharded, local=Local(plan.strategy, ring, plan.order), mesh=mesh,
-        batch_axis_name=batch_axis_name, head_axis_name=head_axis_name))
+    branches.append((platform, step, Local(plan.strategy, ring, plan.order)))
   record(choices)
-  out, lse, top = per_platform(branches, call.query, call.key, call.value,
-                               structure.q_lengths, structure.kv_lengths,
+  # the chunk table of the masks each device classifies (not for Ulysses, which runs
+  # every position of its heads)
+  visible = None
+  if plan.strategy != "ulysses" and block_work.has_masks(structure, mods):
+    visible = (call.dims.B, call.dims.T, call.dims.S, *pair)
+  program = _Program(tuple(branches), mesh, _mesh_key(mesh), batch_axis_name,
+                     head_axis_name, parse_layout(layout, query.shape), lay,
+                     call.dims.has_batch, return_residual, call.return_max_logits, visible)
+  # One jit per static description, so that an eager call compiles once; not for a user's
+  # function traced for this call (a jaxpr in the mods, which would never hit the cache),
+  # nor on an abstract mesh (the caller's jit places it)
+  cached = isinstance(mesh, Mesh) and (mods is None or mods.is_cacheable)
+  compute = _compute if cached else _compute.__wrapped__
+  return compute(query, call.query, call.key, call.value, structure, mods, program=program)
+
+
+def _mesh_key(mesh) -> tuple:
+  """What tells two meshes apart for the jit's cache: the devices in their places (a
+  concrete mesh), the axes' names, sizes and types."""
+  devices = tuple(d.id for d in mesh.devices.flat) if isinstance(mesh, Mesh) else None
+  return (devices, tuple(mesh.shape.items()), tuple(mesh.axis_types))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """The static part of one call's computation, the key of `_compute`'s cache (the mesh
+  itself is compared by `mesh_key`)."""
+
+  branches: tuple  # ((platform, RingStep, Local), ...)
+  mesh: object = dataclasses.field(compare=False)
+  mesh_key: tuple = ()
+  batch_axis_name: str | None = None
+  head_axis_name: str | None = None
+  query_layout: object = None  # the caller's layout (perhaps without B), for `home`
+  layout: object = None  # the call's, with B
+  has_batch: bool = True
+  return_residual: bool = False
+  return_max_logits: bool = False
+  visible: tuple | None = None  # (B, T, S, bq, bk) of the chunk table, or None: none
+
+
+@functools.partial(jax.jit, static_argnames=("program",))
+def _compute(query, q, k, v, structure, mods, *, program: _Program):
+  """The call on every platform (its strategy's shard_map under platform_dependent) -> out,
+  and the lse and max logits if asked, in the caller's layout and the query's sharding.
+  query: the caller's (its sharding is the output's); q, k, v: the call's, with B."""
+  p, mesh = program, program.mesh
+  visible = None
+  if p.visible is not None:
+    ids = [replicated(x, mesh) for x in (structure.q_lengths, structure.kv_lengths,
+                                         structure.q_segment_ids, structure.kv_segment_ids)]
+    visible = block_work.classes(MaskSpec(structure.is_causal, structure.local_window, *ids),
+                                 mods, *p.visible)
+  if mods is not None and mods.block_mask is not None:
+    mods = dataclasses.replace(mods, block_mask=None)  # each step classifies its range
+  branches = {platform: (step, functools.partial(
+      sharded, local=local, mesh=mesh, batch_axis_name=p.batch_axis_name,
+      head_axis_name=p.head_axis_name)) for platform, step, local in p.branches}
+  out, lse, top = per_platform(branches, q, k, v, structure.q_lengths, structure.kv_lengths,
                                structure.q_segment_ids, structure.kv_segment_ids, mods, visible)
   # [B, T, N] for "BTNH"; the max logits keep the logits' float32, as one device's
-  rows = tuple(residual_in_layout(x, lay, dtype) for x, dtype, asked in (
-      (lse, out.dtype, return_residual), (top, jnp.float32, call.return_max_logits)) if asked)
-  if not call.dims.has_batch:
+  rows = tuple(residual_in_layout(x, p.layout, dtype) for x, dtype, asked in (
+      (lse, out.dtype, p.return_residual), (top, jnp.float32, p.return_max_logits)) if asked)
+  if not p.has_batch:
     out, rows = out[0], tuple(x[0] for x in rows)
-  out, *rows = to_home(out, *rows)
+  out, *rows = home(query, p.query_layout, mesh)(out, *rows)
   return (out, *rows) if rows else out
 
 
