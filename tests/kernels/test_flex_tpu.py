@@ -594,11 +594,13 @@ def test_a_block_mask_with_segment_ids_is_not_trusted_for_full_tiles():
   np.testing.assert_allclose(out, want, atol=2e-6)
 
 
-def test_lengths_and_segment_ids_in_a_ring_step_are_left_to_the_ring():
+def test_a_ring_steps_chunks_of_lengths_and_segment_ids_are_left_to_the_ring():
+  """At ring offsets the structure holds one chunk's ids (the ring passes the global
+  arrays as mask mods where it can, `context_parallel.run`)."""
   st = _lengths_and_documents()
   p = flex_tpu.plan(B=2, T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32,
                     modifiers=Modifiers(structure=st), offsets=True)
-  assert isinstance(p, str) and "in a ring step" in p, p
+  assert isinstance(p, str) and "ring's blockwise step applies them" in p, p
 
 
 @pytest.mark.parametrize("gradients", [

@@ -56,13 +56,16 @@ def reference_lse(logits, allowed):
 
 
 def case(name, *, devices, T, S, N, K, is_causal, mask_mod=None, mask=None, score=None,
-         sinks=None, kv_lengths=None, expect="flex_tpu", cube=False, seed=0):
+         sinks=None, kv_lengths=None, q_lengths=None, segment_ids=None, expect="flex_tpu",
+         cube=False, seed=0):
   """Ring over `devices` devices, kernel tiles 8 x 128; cube: on a 2x2x2 mesh of data,
   model and seq instead, with B = 2 (the kernel at one device's B, N and K).
   mask: mask_mod's dense [B, N, T, S]
   (else evaluated here on the grid); score: None, ("alibi", slopes [N]) or
   ("relative", table [N, 2M + 1]), whose array's gradient is checked too; sinks [N]: in
-  the reference one more key, of logit sinks[n] and value 0, visible to every row."""
+  the reference one more key, of logit sinks[n] and value 0, visible to every row;
+  q_lengths, kv_lengths [B] and segment_ids [B, T] (for queries and keys, T = S): the
+  built-in arguments."""
   B = 2 if cube else 1
   rng = np.random.default_rng(seed)
   q, k, v, d_out = (rng.standard_normal(s) for s in ((B, T, N, H), (B, S, K, H),
@@ -78,7 +81,9 @@ def case(name, *, devices, T, S, N, K, is_causal, mask_mod=None, mask=None, scor
   if mask_mod is not None and mask is None:
     b_, n_, t_, s_ = np.ix_(np.arange(B), np.arange(N), np.arange(T), np.arange(S))
     mask = np.broadcast_to(mask_mod(b_, n_, t_, s_), (B, N, T, S))
-  allowed = reference_mask(B, N, T, S, mask=mask, is_causal=is_causal, kv_lengths=kv_lengths)
+  allowed = reference_mask(B, N, T, S, mask=mask, is_causal=is_causal, kv_lengths=kv_lengths,
+                           q_lengths=q_lengths, q_segment_ids=segment_ids,
+                           kv_segment_ids=segment_ids)
   logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, N // K, axis=2)) / np.sqrt(H)
   logits = logits if bias is None else logits + bias
   if sinks is None:
@@ -111,7 +116,7 @@ def case(name, *, devices, T, S, N, K, is_causal, mask_mod=None, mask=None, scor
   if cube:
     mesh = jax.make_mesh((2, 2, 2), ("data", "model", "seq"))
   f32 = lambda x: jnp.asarray(x, jnp.float32)
-  lengths = None if kv_lengths is None else jnp.asarray(kv_lengths, jnp.int32)
+  ints = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
 
   def ring(q, k, v, *captured):
     captured = list(captured)
@@ -120,7 +125,9 @@ def case(name, *, devices, T, S, N, K, is_causal, mask_mod=None, mask=None, scor
         q, k, v, mesh=mesh, is_causal=is_causal, mask_mod=mask_mod,
         score_mod=None if score is None else score_mod(table),
         sinks=None if sinks is None else captured.pop(0),
-        key_value_seq_lengths=lengths, block_sizes=jattn.BlockSizes(q=8, kv=128),
+        key_value_seq_lengths=ints(kv_lengths), query_seq_lengths=ints(q_lengths),
+        q_segment_ids=ints(segment_ids), kv_segment_ids=ints(segment_ids),
+        block_sizes=jattn.BlockSizes(q=8, kv=128),
         return_residual=True, **axes)
 
   @jax.jit  # one program: compiling the interpreted kernels is most of the time
@@ -240,9 +247,13 @@ def main():
   ids = np.repeat(np.arange(4), [5, 13, 10, 4])[None]  # [B, T = 32]: four documents
   same_doc = (ids[:, :, None] == ids[:, None, :])[:, None]  # [B, 1, T, T]
   alibi = ("alibi", slopes)
-  cases = [  # the quick one: offsets in causal, a hand-written mask_mod and a score_mod
+  cases = [  # the quick ones: offsets in causal, a hand-written mask_mod and a score_mod;
+      # lengths and segment ids, which the ring reads as mask mods of the global arrays
       ("causal zig-zag + band mask_mod + ALiBi, 2 devices, T=S=32",
        dict(devices=2, T=32, S=32, N=2, K=1, is_causal=True, mask_mod=band, score=alibi)),
+      ("causal zig-zag + query and kv lengths + segment ids, 4 devices, T=S=32",
+       dict(devices=4, T=32, S=32, N=2, K=1, is_causal=True, q_lengths=np.array([27]),
+            kv_lengths=np.array([21]), segment_ids=ids)),
   ]
   if "quick" not in sys.argv:
     cases += [
@@ -259,9 +270,10 @@ def main():
               mask=np.broadcast_to(same_doc, (B, 2, 32, 32)), score=("relative", table))),
         ("2x2x2 mesh (batch, heads and sequence sharded), causal zig-zag, N=4 on K=2",
          dict(devices=8, T=32, S=32, N=4, K=2, is_causal=True, cube=True)),
-        ("kv lengths: the kernel refuses, the steps run blockwise (causal zig-zag)",
-         dict(devices=2, T=32, S=32, N=2, K=1, is_causal=True,
-              kv_lengths=np.array([21]), expect="blockwise")),
+        ("kv lengths with the batch and heads sharded: the kernel refuses, the steps run "
+         "blockwise (2x2x2 mesh, causal zig-zag)",
+         dict(devices=8, T=32, S=32, N=4, K=2, is_causal=True, cube=True,
+              kv_lengths=np.array([21, 30]), expect="blockwise")),
     ]
   for i, (name, kwargs) in enumerate(cases):
     ok &= case(name, seed=i, **kwargs)

@@ -36,11 +36,13 @@ def report(name, ok, detail):
   return ok
 
 
-def check(name, fn, arrays, d_out, *, is_causal, spec=None):
+def check(name, fn, arrays, d_out, *, is_causal, spec=None, ids=None):
   """fn(q, k, v) -> out; its value and vjp against the float64 reference, and (spec
-  given) the output's sharding type: the query's on an Explicit mesh, as jax.nn keeps it."""
-  want = reference_vjp(*arrays, d_out, is_causal=is_causal,
-                       key_value_seq_lengths=LENGTHS)[:4]
+  given) the output's sharding type: the query's on an Explicit mesh, as jax.nn keeps it.
+  ids: the segment ids fn passes (for queries and keys), if any."""
+  ids = None if ids is None else np.asarray(ids)
+  want = reference_vjp(*arrays, d_out, is_causal=is_causal, key_value_seq_lengths=LENGTHS,
+                       q_segment_ids=ids, kv_segment_ids=ids)[:4]
   out, pullback = jax.vjp(fn, *arrays)
   got = [out, *pullback(jnp.asarray(d_out, jnp.float32))]
   errors = [np.max(np.abs(np.asarray(g, np.float64) - w)) / max(1.0, np.max(np.abs(w)))
@@ -86,6 +88,16 @@ def main():
                                                 key_value_seq_lengths=kv_len)
     ok &= check(f"{kind.name}: unsharded inputs, eager, seq mesh", ring, arrays, d_out,
                 is_causal=True, spec=P() if explicit else None)
+    # inputs and segment ids sharded along the sequence (the ids read whole for the balance
+    # and as a mask mod of the global array: replicated first)
+    ids = jax.device_put(np.repeat(np.arange(3), [5, 7, 4])[None].repeat(B, 0).astype(np.int32),
+                         NamedSharding(seq, P(None, "seq")))
+    ring = jax.jit(lambda q, k, v: jattn.ring_attention(
+        q, k, v, mesh=seq, is_causal=True, key_value_seq_lengths=kv_len, q_segment_ids=ids,
+        kv_segment_ids=ids))
+    ok &= check(f"{kind.name}: seq-sharded inputs and segment ids, jit, seq mesh", ring,
+                put(seq, P(None, "seq")), d_out, is_causal=True, ids=ids,
+                spec=P(None, "seq") if explicit else None)
     # inputs sharded along batch and heads; the ring shards them along the sequence too
     ring = jax.jit(lambda q, k, v: jattn.ring_attention(
         q, k, v, mesh=cube, batch_axis_name="data", head_axis_name="model",

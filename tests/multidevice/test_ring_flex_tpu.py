@@ -87,19 +87,27 @@ def test_one_step_at_global_offsets_values_lse_and_gradients():
 
 def test_each_platform_reports_its_step_and_the_kernel_reason():
   """TPU runs the kernel per step; CPU keeps the blockwise loop (the same program as
-  before); a call the kernel refuses keeps blockwise on TPU, with the reason."""
+  before); lengths, read as mask mods where the batch is whole on each device; a call the
+  kernel refuses (lengths with the batch sharded) keeps blockwise on TPU, with the
+  reason."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))
+  data_seq = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "seq"))
   q = jax.ShapeDtypeStruct((1, 32, 2, 8), jnp.float32)
   slopes = jnp.ones(2)
   with jattn.explain_calls() as reports:
     jax.eval_shape(lambda q: jattn.ring_attention(
         q, q, q, mesh=mesh, is_causal=True, score_mod=jattn.mods.alibi(slopes)), q)
     jax.eval_shape(lambda q: jattn.ring_attention(
-        q, q, q, mesh=mesh, key_value_seq_lengths=jnp.asarray([3])), q)
+        q, q, q, mesh=data_seq, batch_axis_name="data", key_value_seq_lengths=jnp.asarray([3])),
+        q)
     # the max logits asked for: each step's kernel writes its running max (TPU branch traced)
     out, top = jax.eval_shape(lambda q: jattn.ring_attention(
         q, q, q, mesh=mesh, is_causal=True, return_max_logits=True), q)
-  kernel, lengths, with_max = reports
+    jax.eval_shape(lambda q: jattn.ring_attention(
+        q, q, q, mesh=mesh, key_value_seq_lengths=jnp.asarray([3])), q)
+  kernel, lengths, with_max, as_mods = reports
+  assert as_mods.choices["tpu"].plan.implementation == "flex_tpu"
+  assert as_mods.choices["tpu"].plan.plan.has_mask_mod
   assert kernel.implementation("tpu") == "ring"
   step = kernel.choices["tpu"].plan
   assert step.implementation == "flex_tpu" and step.plan.offsets and step.plan.is_causal
@@ -119,21 +127,24 @@ def test_explain_ring_under_a_mesh_names_the_step_and_the_reason():
   with jax.set_mesh(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("seq",))):
     kernel = jattn.explain(q, q, q, implementation="ring", is_causal=True,
                            mask_mod=lambda b, n, t, s: s % 3 != 1)
+  data_seq = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "seq"))
+  with jax.set_mesh(data_seq):  # the batch sharded over "data"
     refused = jattn.explain(q, q, q, implementation="ring", key_value_seq_lengths=lengths)
   assert kernel.choices["tpu"].plan.implementation == "flex_tpu"
   assert kernel.choices["tpu"].plan.plan.has_mask_mod
   assert kernel.choices["cpu"].plan.implementation == "blockwise"
   assert refused.choices["tpu"].plan.implementation == "blockwise"
-  assert refused.reasons("tpu") == {"flex_tpu": "sequence lengths and segment ids in a ring "
-                                                "step: the ring applies them (its blockwise "
-                                                "step)"}
+  assert refused.reasons("tpu") == {"flex_tpu": "sequence lengths and segment ids of a ring "
+                                                "step's chunks, with the batch or heads "
+                                                "sharded: the ring's blockwise step applies "
+                                                "them"}
   with pytest.raises(ValueError, match="needs a mesh with a 'seq' axis"):
     jattn.explain(q, q, q, implementation="ring")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cases,count", [
-    ("quick", 2), pytest.param("all", 11, marks=pytest.mark.thorough)])
+    ("quick", 3), pytest.param("all", 12, marks=pytest.mark.thorough)])
 def test_ring_runs_the_kernel_per_step_interpreted_and_exported(cases, count):
   """8 simulated devices: the export for TPU of a ring's gradient holds the forward, dq
   and dk/dv Mosaic kernels and no [T, S] tensor; in interpret mode, causal zig-zag with

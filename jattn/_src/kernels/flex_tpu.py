@@ -105,9 +105,9 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
   if reason:
     return reason
   if structure_mods.has_lengths_or_segments(m.structure):
-    if offsets:
-      return ("sequence lengths and segment ids in a ring step: the ring applies them "
-              "(its blockwise step)")
+    if offsets:  # a chunk pair's ids: the ring passes them as mask mods where it can
+      return ("sequence lengths and segment ids of a ring step's chunks, with the batch "
+              "or heads sharded: the ring's blockwise step applies them")
     m = structure_mods.as_mask_mods(m)  # read as mask mods, as `flex_tpu_call.run` does
   st = m.structure
   facts = kernel_plan.mods_facts(m.mods, smem=True)

@@ -24,6 +24,7 @@ from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.registry import PLATFORMS
 from jattn._src.parallel.ring_loop import Ring
 from jattn._src.kernels import flex_tpu
+from jattn._src.masks import structure_mods
 from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.structural import MaskSpec
 from jattn._src.parallel import block_work
@@ -185,6 +186,10 @@ def prepare(caller, query, key, value, bias, mask, *, mesh, axis_name, strategy,
     raise TypeError(f"scale must be a Python float for {caller}, got {scale!r}")
   dims = dataclasses.asdict(call.dims)
   P = check_mesh(mesh, axis_name, batch_axis_name, head_axis_name, dims)
+  # the lengths and segment ids whole on every device: the balance and the chunk table read
+  # them at any position, which an Explicit sharding of them would not allow
+  call = dataclasses.replace(call, modifiers=call.modifiers.replace(
+      structure=jax.tree.map(lambda x: replicated(x, mesh), call.structure)))
   for length, letter in ((dims["T"], "T"), (dims["S"], "S")):
     reason = _plan.divisibility(length, letter, 1, P, axis_name)
     if reason:
@@ -271,6 +276,14 @@ def run(caller, query, key, value, bias=None, mask=None, *, mesh, axis_name, str
                  block_sizes=block_sizes, layout=layout, **kwargs)
   call, plan = prep.call, prep.plan
   lay, structure, mods = call.layout, call.structure, call.modifiers.mods
+  if (structure_mods.has_lengths_or_segments(structure) and batch_axis_name is None
+      and head_axis_name is None):
+    # Every device holds the whole batch: the lengths and segment ids go in as mask mods
+    # of the global arrays (replicated by `prepare`), read at global positions, as the TPU
+    # step's kernel reads masks (it takes no per-chunk ids); else each step's blockwise
+    # loop applies them
+    whole = structure_mods.as_mask_mods(call.modifiers)
+    structure, mods = whole.structure, whole.mods
   shape, local, pair = _local_shape(prep)
   modifiers = Modifiers(structure=structure, mods=mods, scale=prep.scale)
   block_sizes = call.block_sizes

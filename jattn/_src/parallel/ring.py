@@ -44,8 +44,10 @@ def ring_attention(query, key, value, *, mesh: Mesh | AbstractMesh, axis_name: s
   default per platform), so per-device memory is linear in T / P. On TPU each
   step runs jattn's flex_tpu Pallas kernel instead (forward and backward, the
   mods, causal mask and block skipping at the step's global positions; block_sizes,
-  if given, are its tiles), wherever the kernel takes the step; where it cannot
-  (lengths, segment ids, tiles it refuses, ...), blockwise; each platform's step
+  if given, are its tiles), wherever the kernel takes the step; sequence lengths and
+  segment ids become mask mods of the global arrays there, unless the batch or heads
+  are sharded; where it cannot (those, tiles it refuses, ...), blockwise; each
+  platform's step
   and the kernel's reason are reported by `jattn.explain(...,
   implementation="ring")` inside `jax.set_mesh`, or `jattn.explain_calls()`
   around the call.
