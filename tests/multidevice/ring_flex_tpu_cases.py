@@ -247,16 +247,21 @@ def main():
   ids = np.repeat(np.arange(4), [5, 13, 10, 4])[None]  # [B, T = 32]: four documents
   same_doc = (ids[:, :, None] == ids[:, None, :])[:, None]  # [B, 1, T, T]
   alibi = ("alibi", slopes)
-  cases = [  # the quick ones: offsets in causal, a hand-written mask_mod and a score_mod;
-      # lengths and segment ids, which the ring reads as mask mods of the global arrays
-      ("causal zig-zag + band mask_mod + ALiBi, 2 devices, T=S=32",
-       dict(devices=2, T=32, S=32, N=2, K=1, is_causal=True, mask_mod=band, score=alibi)),
-      ("causal zig-zag + query and kv lengths + segment ids, 4 devices, T=S=32",
-       dict(devices=4, T=32, S=32, N=2, K=1, is_causal=True, q_lengths=np.array([27]),
-            kv_lengths=np.array([21]), segment_ids=ids)),
+  cases = [  # the quick one: offsets in causal, a hand-written mask_mod and a score_mod,
+      # with lengths and segment ids (which the ring reads as mask mods of the global arrays,
+      # here traced with the hand-written mask into one)
+      ("causal zig-zag + band mask_mod + ALiBi + query and kv lengths + segment ids, "
+       "2 devices, T=S=32",
+       dict(devices=2, T=32, S=32, N=2, K=1, is_causal=True, mask_mod=band, score=alibi,
+            q_lengths=np.array([27]), kv_lengths=np.array([21]), segment_ids=ids)),
   ]
   if "quick" not in sys.argv:
     cases += [
+        ("causal zig-zag + band mask_mod + ALiBi, 2 devices, T=S=32",
+         dict(devices=2, T=32, S=32, N=2, K=1, is_causal=True, mask_mod=band, score=alibi)),
+        ("causal zig-zag + query and kv lengths + segment ids (ready-made mods), 4 devices",
+         dict(devices=4, T=32, S=32, N=2, K=1, is_causal=True, q_lengths=np.array([27]),
+              kv_lengths=np.array([21]), segment_ids=ids)),
         ("causal zig-zag + ALiBi + sinks, 2 devices, 2 query tiles a step",
          dict(devices=2, T=64, S=64, N=2, K=1, is_causal=True, score=alibi,
               sinks=np.array([0.3, 1.5]))),

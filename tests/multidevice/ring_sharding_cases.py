@@ -82,22 +82,16 @@ def main():
 
     # unsharded NumPy inputs, eagerly, on a 4-device mesh of "seq" alone (contiguous
     # blocks: a quarter of the zig-zag order's compile time; ring_lengths_cases.py runs
-    # the zig-zag order on a jax.make_mesh mesh)
-    ring = lambda q, k, v: jattn.ring_attention(q, k, v, mesh=seq, is_causal=True,
-                                                load_balance=False,
-                                                key_value_seq_lengths=kv_len)
-    ok &= check(f"{kind.name}: unsharded inputs, eager, seq mesh", ring, arrays, d_out,
-                is_causal=True, spec=P() if explicit else None)
-    # inputs and segment ids sharded along the sequence (the ids read whole for the balance
-    # and as a mask mod of the global array: replicated first)
+    # the zig-zag order on a jax.make_mesh mesh), with segment ids sharded along the
+    # sequence (read whole for the balance and as a mask mod: replicated first)
     ids = jax.device_put(np.repeat(np.arange(3), [5, 7, 4])[None].repeat(B, 0).astype(np.int32),
                          NamedSharding(seq, P(None, "seq")))
-    ring = jax.jit(lambda q, k, v: jattn.ring_attention(
-        q, k, v, mesh=seq, is_causal=True, key_value_seq_lengths=kv_len, q_segment_ids=ids,
-        kv_segment_ids=ids))
-    ok &= check(f"{kind.name}: seq-sharded inputs and segment ids, jit, seq mesh", ring,
-                put(seq, P(None, "seq")), d_out, is_causal=True, ids=ids,
-                spec=P(None, "seq") if explicit else None)
+    ring = lambda q, k, v: jattn.ring_attention(q, k, v, mesh=seq, is_causal=True,
+                                                load_balance=False,
+                                                key_value_seq_lengths=kv_len,
+                                                q_segment_ids=ids, kv_segment_ids=ids)
+    ok &= check(f"{kind.name}: unsharded inputs, seq-sharded segment ids, eager, seq mesh",
+                ring, arrays, d_out, is_causal=True, ids=ids, spec=P() if explicit else None)
     # inputs sharded along batch and heads; the ring shards them along the sequence too
     ring = jax.jit(lambda q, k, v: jattn.ring_attention(
         q, k, v, mesh=cube, batch_axis_name="data", head_axis_name="model",

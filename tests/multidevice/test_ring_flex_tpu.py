@@ -144,7 +144,7 @@ def test_explain_ring_under_a_mesh_names_the_step_and_the_reason():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cases,count", [
-    ("quick", 3), pytest.param("all", 12, marks=pytest.mark.thorough)])
+    ("quick", 2), pytest.param("all", 13, marks=pytest.mark.thorough)])
 def test_ring_runs_the_kernel_per_step_interpreted_and_exported(cases, count):
   """8 simulated devices: the export for TPU of a ring's gradient holds the forward, dq
   and dk/dv Mosaic kernels and no [T, S] tensor; in interpret mode, causal zig-zag with
