@@ -26,7 +26,6 @@ from jattn._src.parallel.ring_loop import Ring
 from jattn._src.kernels import flex_tpu
 from jattn._src.masks import structure_mods
 from jattn._src.masks.modifiers import Modifiers
-from jattn._src.masks.structural import MaskSpec
 from jattn._src.parallel import block_work
 from jattn._src.parallel import plan as _plan
 from jattn._src.parallel.balance import ChunkOrder, contiguous
@@ -351,12 +350,8 @@ def _compute(query, q, k, v, structure, mods, *, program: _Program):
   and the lse and max logits if asked, in the caller's layout and the query's sharding.
   query: the caller's (its sharding is the output's); q, k, v: the call's, with B."""
   p, mesh = program, program.mesh
-  visible = None
-  if p.visible is not None:
-    ids = [replicated(x, mesh) for x in (structure.q_lengths, structure.kv_lengths,
-                                         structure.q_segment_ids, structure.kv_segment_ids)]
-    visible = block_work.classes(MaskSpec(structure.is_causal, structure.local_window, *ids),
-                                 mods, *p.visible)
+  # (the structure's arrays come replicated on the mesh from `prepare`)
+  visible = None if p.visible is None else block_work.classes(structure, mods, *p.visible)
   if mods is not None and mods.block_mask is not None:
     mods = dataclasses.replace(mods, block_mask=None)  # each step classifies its range
   branches = {platform: (step, functools.partial(
