@@ -40,7 +40,7 @@ class Modifiers:
 
   def tree_flatten(self):
     children = (self.bias, self.mask, self.structure, self.mods, self.dropout)
-    if isinstance(self.scale, (int, float)):  # static: cuDNN takes it as a number
+    if _is_number(self.scale):  # static: cuDNN takes it as a number
       return children, (self.scale,)
     return children + (self.scale,), ()
 
@@ -66,4 +66,11 @@ class Modifiers:
   def gradients(self, *, bias=None, mods=None) -> "Modifiers":
     """A cotangent of this value: the given gradients, None (zero) everywhere else."""
     return Modifiers(bias=bias, mask=None, structure=None, mods=mods, dropout=None,
-                     scale=self.scale if isinstance(self.scale, (int, float)) else None)
+                     scale=self.scale if _is_number(self.scale) else None)
+
+
+def _is_number(scale) -> bool:
+  """A Python int or float, static in the pytree. Not its subclasses: jax's literals
+  (`TypedFloat`) stand for a traced scale in residuals (the backward pass of a shard_map
+  folds constants), and a cotangent must keep the primal's structure."""
+  return type(scale) in (int, float)
