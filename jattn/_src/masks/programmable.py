@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jattn._src import compat
 from jattn._src.core import checks as _checks
+from jattn._src.core.explicit_axes import unsharded
 from jattn._src.masks.closed_form_blocks import is_closed_form
 
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
@@ -148,7 +149,12 @@ def _trace(name: str, fn, args, call: str, want: str):
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
       closed = jax.make_jaxpr(fn)(*args)
   except Exception as e:  # the user's function: say which argument failed, keep the cause
-    raise TypeError(f"{name} failed when called {call} on int32 scalars: "
+    hint = ""
+    if type(e).__name__ == "ShardingTypeError":
+      hint = (f" ({name} reads an array whose type is sharded over Explicit mesh axes at "
+              f"a traced index: pass it replicated, jax.sharding.reshard(x, "
+              f"jax.P()), or use a ready-made jattn.mods, whose arrays jattn replicates)")
+    raise TypeError(f"{name} failed when called {call} on int32 scalars{hint}: "
                     f"{type(e).__name__}: {e}") from e
   outs = closed.out_avals
   ok = len(outs) == 1 and outs[0].shape == ()
@@ -171,6 +177,12 @@ def trace_mask_mod(mask_mod) -> tuple:
   return compat.open_jaxpr(_trace("mask_mod", mask_mod, (_INDEX,) * 4, _MASK_CALL, "bool"))
 
 
+def _is_pytree(mod) -> bool:
+  """Whether mod is a registered pytree with leaves of its own (the ready-made mods)."""
+  leaves = jax.tree.leaves(mod)
+  return not (len(leaves) == 1 and leaves[0] is mod) and bool(leaves)
+
+
 def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
                defer_ready_made: bool = False) -> Mods | None:
   """Checks the programmable arguments (before any work) and bundles them; None if all absent.
@@ -180,6 +192,9 @@ def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
   if mask_mod is None and score_mod is None and sinks is None and block_mask is None:
     return None
   fields = {}
+  # a ready-made mod's arrays (a pytree's leaves) are read at any (b, n, t, s)
+  mask_mod, score_mod = (jax.tree.map(unsharded, m) if _is_pytree(m)
+                         else m for m in (mask_mod, score_mod))
   if mask_mod is not None:
     _check_arity("mask_mod", mask_mod, 4, _MASK_CALL)
     jaxpr, consts = trace_mask_mod(mask_mod)

@@ -1,0 +1,35 @@
+"""The Explicit mesh axes an array's type is sharded over, and the array replicated on them.
+
+Under `jax.sharding.AxisType.Explicit` axes (`jax.make_mesh`'s default) the sharding
+is part of an array's type (`jax.typeof(x).sharding`); Auto axes are not, and an
+array outside any mesh has none.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+
+def explicit_axes(x) -> tuple:
+  """(mesh, the Explicit axes x's type is sharded over, in spec order); (None, ()) if none."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return None, ()
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  used = tuple(a for entry in sharding.spec
+               if entry is not None and entry is not PartitionSpec.UNCONSTRAINED
+               for a in ((entry,) if isinstance(entry, str) else entry) if a in explicit)
+  return mesh, used
+
+
+def unsharded(x):
+  """x replicated on the Explicit axes its type is sharded over; x itself when it is no
+  array or not so sharded. For arrays read at any index, as a mod reads them."""
+  if not isinstance(x, (jax.Array, jax.core.Tracer)):
+    return x
+  mesh, used = explicit_axes(x)
+  if not used:
+    return x
+  return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
