@@ -5,9 +5,10 @@ context-parallel strategies and the Transformer on a ("data", "model", "seq") me
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jattn
 from jattn import mods, sharding
@@ -60,6 +61,30 @@ def test_context_parallel_strategies_compile_on_a_slice(strategy):
   compiled, report = deviceless.compile_for(SLICE, jax.value_and_grad(loss, (0, 1, 2)), q, q, q)
   assert COLLECTIVE[strategy] in compiled.as_text(), report
   assert any(k.startswith(MOSAIC) for k in report.kernels), report
+
+
+def test_batch_and_head_sharded_call_runs_the_kernel_per_device_without_gathering():
+  """dot_product_attention on arrays sharded over Explicit axes ("data", "model") of a
+  2x2 v5e, forward and gradient, bfloat16, causal and document ids: each chip runs
+  flex_tpu on its rows and heads, and the compiled program gathers nothing (the one
+  collective: the all-reduce of the scalar loss)."""
+  devices = np.asarray(deviceless.devices(SLICE), dtype=object).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  B, T, N, H = 4, 1024, 8, 128
+  q = _on(mesh, (B, T, N, H), jnp.bfloat16, P("data", None, "model"))
+  ids = _on(mesh, (B, T), jnp.int32, P("data"))
+
+  def loss(q, k, v, ids):
+    out = jattn.dot_product_attention(q, k, v, is_causal=True, q_segment_ids=ids,
+                                      kv_segment_ids=ids)
+    return jnp.sum(out.astype(jnp.float32))
+
+  compiled, report = deviceless.compile_for(SLICE, jax.value_and_grad(loss, (0, 1, 2)),
+                                            q, q, q, ids, mesh=mesh)
+  text = compiled.as_text()
+  assert sum(k.startswith("jattn_flex_tpu_") for k in report.kernels) >= 2, report  # fwd, bwd
+  for gathering in ("all-gather", "all-to-all", "collective-permute"):
+    assert gathering not in text, (gathering, report)
 
 
 @pytest.mark.xfail(strict=True, reason=(

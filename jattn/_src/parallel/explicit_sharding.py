@@ -1,0 +1,317 @@
+"""`dot_product_attention` on arrays sharded over Explicit mesh axes: each device its
+batch rows and heads.
+
+Under `jax.sharding.AxisType.Explicit` axes (`jax.make_mesh`'s default) an
+array's sharding is part of its type, and every op must say how its result is
+sharded. jattn's kernels (Pallas calls), its blockwise loops and the platform
+branches cannot: they are per-device programs. Attention is independent across
+batch rows and heads, so the call runs under `jax.shard_map` with the batch and
+heads split as the query's are, and each device runs the ordinary call on its
+share:
+
+  B, N    sharded as the query's B and N axes (K with N when K divides over the
+          same devices; else every device keeps the kv head its query heads
+          share, or the heads are not split);
+  T, S, H, D  gathered: sequence sharding is what `jattn.ring_attention` and
+          `jattn.context_parallel_attention` are for;
+  mods    see global (b, n): mask_mod and score_mod that read b or n are called
+          with b + first row, n + first head; the arrays they close over are
+          replicated; sinks and a block mask are split with the heads and rows;
+  dropout one draw per device, its key folded with the device's place on the
+          batch and head axes, so devices do not repeat each other's draw.
+
+The output keeps the query's sharding (D unsharded), the lse and max logits the
+query's without H, as jax.nn's do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from jattn._src.call import Call
+from jattn._src.core.explicit_axes import explicit_axes
+from jattn._src.core.layout import Layout
+
+__all__ = ["explicit_mesh", "run"]
+
+
+def explicit_mesh(named_arrays: dict):
+  """The mesh whose Explicit axes shard any of the arrays (name -> pytree), or None.
+
+  Raises a ValueError when two arrays are sharded on different meshes."""
+  found = None
+  for name, tree in named_arrays.items():
+    for x in jax.tree.leaves(tree):
+      mesh, used = explicit_axes(x)
+      if not used:
+        continue
+      if found is not None and mesh != found[1]:
+        raise ValueError(f"{name} {jax.typeof(x).str_short()} is sharded on mesh "
+                         f"{dict(mesh.shape)}, {found[0]} on mesh {dict(found[1].shape)}: "
+                         f"put the arrays of one attention call on one mesh")
+      found = found or (name, mesh)
+  return None if found is None else found[1]
+
+
+def _entry(spec: PartitionSpec, position: int, explicit: set):
+  """The Explicit mesh axes of spec at `position` (a tuple, maybe empty)."""
+  entry = spec[position] if position < len(spec) else None
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    return ()
+  return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in explicit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """How the batch and heads are split: mesh axes (tuples, maybe empty) and devices."""
+
+  batch: tuple
+  heads: tuple
+  kv_heads: str  # "split" (K with N, or neither split), "one" (each device the kv head
+  # its query heads share)
+  batch_devices: int
+  head_devices: int
+
+  def spec(self, letters: str) -> PartitionSpec:
+    axis = {"B": self.batch, "N": self.heads, "K": self.heads if self.kv_heads == "split" else ()}
+    return PartitionSpec(*((axis.get(c) or None) for c in letters))
+
+
+def split_of(call: Call, mesh) -> Split:
+  """The query's batch and head sharding, kept where the sizes divide over it."""
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  spec = jax.typeof(call.query).sharding.spec
+  lay, dims = call.layout, call.dims
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  batch = _entry(spec, lay.axis("B"), explicit)
+  heads = _entry(spec, lay.axis("N"), explicit)
+  if dims.B % size(batch):
+    batch = ()
+  if dims.N % size(heads):
+    heads = ()
+  m, G = size(heads), dims.N // dims.K
+  if m == 1 or dims.K % m == 0:
+    kv_heads = "split"
+  elif G % (dims.N // m) == 0:  # a device's query heads all share one kv head
+    kv_heads = "one"
+  else:
+    heads, kv_heads = (), "split"
+  return Split(batch, heads, kv_heads, size(batch), size(heads))
+
+
+def _place(x, spec, mesh):
+  return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+def _at_global(mod, reads_b: bool, reads_n: bool, b0, n0, first: int):
+  """mod called with b + b0 and n + n0 where it reads them (first: b's argument number);
+  mod itself when it reads neither (a ready-made mod keeps its closed-form classes)."""
+  if not (reads_b or reads_n):
+    return mod
+
+  def shifted(*args):
+    args = list(args)
+    if reads_b:
+      args[first] = args[first] + b0
+    if reads_n:
+      args[first + 1] = args[first + 1] + n0
+    return mod(*args)
+  return shifted
+
+
+def _ready_made(mod) -> bool:
+  """A jattn.mods object: a pytree whose arrays can enter the shard_map as arguments."""
+  return type(mod).__module__ == "jattn._src.masks.mods"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """The static part of one call, the jit's key: the mesh and split, the arguments'
+  names and specs, the call's flags, and how each mod is called on a device."""
+
+  mesh: object
+  split: Split
+  names: tuple
+  in_specs: tuple
+  layout: str  # the query's letters, B included
+  B_local: int
+  N_local: int
+  G: int
+  options: tuple  # (name, value) of the flags dot_product_attention takes on each device
+  mask: str | None = None  # "object": the ready-made mod, an argument; "jaxpr": traced here
+  mask_reads: tuple = (False, False)  # (b, n)
+  score: str | None = None
+  score_reads: tuple = (False, False)
+  mask_jaxpr: object = None  # a user's function, traced: no cache across calls
+  score_jaxpr: object = None
+  block_mask: object = None  # the caller's, for its static fields
+
+  @property
+  def cacheable(self) -> bool:
+    return self.mask_jaxpr is None and self.score_jaxpr is None and self.block_mask is None
+
+
+def run(call: Call, mesh, *, implementation, dropout_rate, dropout_rng, broadcast_dropout,
+        block_sizes, dot_product_attention):
+  """(out, weights, lse, max logits) of the checked `call` (its arrays with a batch axis),
+  each device running `dot_product_attention` on its rows and heads."""
+  split = split_of(call, mesh)
+  lay, dims, mods = call.layout, call.dims, call.modifiers.mods
+  structure = call.structure
+  spec = split.spec
+
+  # Each argument with the spec it enters the shard_map with.
+  args, specs = {}, {}
+
+  def add(name, x, x_spec):
+    if x is not None:
+      args[name], specs[name] = x, x_spec
+
+  def batch_heads(has_b: bool, has_n: bool) -> PartitionSpec:
+    """[B|1, N|1, ...]: split where the array has the whole axis."""
+    return PartitionSpec((split.batch or None) if has_b else None,
+                         (split.heads or None) if has_n else None)
+
+  add("query", call.query, spec(lay.query))
+  add("key", call.key, spec(lay.key))
+  add("value", call.value, spec(lay.value))
+  for name, x in (("bias", call.modifiers.bias), ("mask", call.modifiers.mask)):
+    if x is not None:  # [B|1, N|1, T|1, S|1]
+      add(name, x, batch_heads(x.shape[0] > 1, x.shape[1] > 1))
+  add("q_lengths", structure.q_lengths, spec("B"))
+  add("kv_lengths", structure.kv_lengths, spec("B"))
+  add("q_ids", structure.q_segment_ids, spec("B"))
+  if not call.same_segment_ids:
+    add("kv_ids", structure.kv_segment_ids, spec("B"))
+  scale = call.scale
+  if not isinstance(scale, (int, float)):
+    add("scale", scale, PartitionSpec())
+    scale = None
+  if dropout_rate:
+    add("dropout_rng", dropout_rng, PartitionSpec())
+
+  how = {}
+  if mods is not None:
+    traced = mods.traced()
+    if traced.has_mask:
+      how["mask_reads"] = (traced.mask_uses(0), traced.mask_uses(1))
+      if call.mask_mod is not None and _ready_made(call.mask_mod):
+        how["mask"] = "object"
+        add("mask_mod", call.mask_mod, PartitionSpec())
+      else:
+        how.update(mask="jaxpr", mask_jaxpr=traced.mask_jaxpr)
+        add("mask_consts", traced.mask_consts, PartitionSpec())
+    if traced.has_score:
+      how["score_reads"] = (traced.score_uses(1), traced.score_uses(2))
+      if _ready_made(call.score_mod):
+        how["score"] = "object"
+        add("score_mod", call.score_mod, PartitionSpec())
+      else:
+        how.update(score="jaxpr", score_jaxpr=traced.score_jaxpr)
+        add("score_consts", traced.score_consts, PartitionSpec())
+    add("sinks", traced.sinks, spec("N"))
+    if traced.block_mask is not None:
+      made = how["block_mask"] = traced.block_mask
+      add("block_classes", made.classes, batch_heads(made.B is not None, made.N is not None))
+
+  names = tuple(args)
+  options = dict(is_causal=call.is_causal, local_window_size=call.window,
+                 implementation=implementation, dropout_rate=dropout_rate,
+                 broadcast_dropout=broadcast_dropout, return_weights=call.return_weights,
+                 block_sizes=block_sizes, return_residual=call.return_residual,
+                 return_max_logits=call.return_max_logits, scale=scale,
+                 same_segment_ids=call.same_segment_ids)
+  program = _Program(mesh=mesh, split=split, names=names,
+                     in_specs=tuple(specs[n] for n in names), layout=lay.query,
+                     B_local=dims.B // split.batch_devices,
+                     N_local=dims.N // split.head_devices, G=dims.N // dims.K,
+                     options=tuple(options.items()), **how)
+  # a user's traced function would never hit the jit's cache (and fill it): it runs in
+  # the caller's trace; ready-made mods and plain calls compile once
+  sharded = _sharded if program.cacheable else _sharded.__wrapped__
+  results = sharded(tuple(args[n] for n in names), program=program,
+                    dot_product_attention=dot_product_attention)
+  return _home(results, call, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("program", "dot_product_attention"))
+def _sharded(values, *, program: _Program, dot_product_attention):
+  """The shard_map of one call: the arguments placed on their specs, each device's call."""
+  mesh, split, options = program.mesh, program.split, dict(program.options)
+  placed = tuple(jax.tree.map(lambda x, s=s: _place(x, s, mesh), x)
+                 for x, s in zip(values, program.in_specs))
+
+  def body(*values):
+    a = dict(zip(program.names, values))
+    b0 = (jax.lax.axis_index(split.batch) * program.B_local) if split.batch else 0
+    n0 = (jax.lax.axis_index(split.heads) * program.N_local) if split.heads else 0
+    key, value = a["key"], a["value"]
+    if split.kv_heads == "one":  # every local query head reads kv head n0 // G
+      axis = Layout(program.layout).axis("K")
+      key, value = (jax.lax.dynamic_slice_in_dim(x, n0 // program.G, 1, axis=axis)
+                    for x in (key, value))
+    mask_mod = score_mod = block_mask = None
+    if program.mask == "object":
+      mask_mod = _at_global(a["mask_mod"], *program.mask_reads, b0, n0, first=0)
+    elif program.mask == "jaxpr":
+      mask_mod = _at_global(
+          lambda *i: jax.core.eval_jaxpr(program.mask_jaxpr, a["mask_consts"], *i)[0],
+          *program.mask_reads, b0, n0, first=0)
+    if program.score == "object":
+      score_mod = _at_global(a["score_mod"], *program.score_reads, b0, n0, first=1)
+    elif program.score == "jaxpr":
+      score_mod = _at_global(
+          lambda x, *i: jax.core.eval_jaxpr(program.score_jaxpr, a["score_consts"], x, *i)[0],
+          *program.score_reads, b0, n0, first=1)
+    if program.block_mask is not None:  # its rows and heads; the mask is passed as mask_mod
+      made = program.block_mask
+      block_mask = dataclasses.replace(
+          made, classes=a["block_classes"], mask_jaxpr=None, mask_consts=(),
+          B=None if made.B is None else program.B_local,
+          N=None if made.N is None else program.N_local)
+    rng = a.get("dropout_rng")
+    if rng is not None and (split.batch or split.heads):
+      # the device's place on the batch and head axes: without it every device would
+      # drop the same entries of its share
+      rng = jax.random.fold_in(rng, jax.lax.axis_index(split.batch + split.heads))
+    q_ids = a.get("q_ids")
+    flags = {k: v for k, v in options.items() if k not in ("same_segment_ids", "scale")}
+    results = dot_product_attention(
+        a["query"], key, value, a.get("bias"), a.get("mask"),
+        scale=a.get("scale", options["scale"]), query_seq_lengths=a.get("q_lengths"),
+        key_value_seq_lengths=a.get("kv_lengths"), q_segment_ids=q_ids,
+        kv_segment_ids=q_ids if options["same_segment_ids"] else a.get("kv_ids"),
+        layout=program.layout, dropout_rng=rng, mask_mod=mask_mod, score_mod=score_mod,
+        sinks=a.get("sinks"), block_mask=block_mask, **flags)
+    return results if isinstance(results, tuple) else (results,)
+
+  rows = program.layout.replace("H", "")
+  spec = split.spec
+  out_specs = ((spec(Layout(program.layout).out),) + (spec("BNTS"),) * options["return_weights"]
+               + (spec(rows),) * (options["return_residual"] + options["return_max_logits"]))
+  return jax.shard_map(body, mesh=mesh, in_specs=program.in_specs, out_specs=out_specs,
+                       # the blockwise loops start their accumulators from constants,
+                       # which the varying-manual-axes check would reject as carries
+                       check_vma=False)(*placed)
+
+
+def _home(results, call: Call, mesh):
+  """(out, weights, lse, max logits), out with the query's sharding (D unsharded), the
+  rows with the query's without H, as jax.nn's."""
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  lay = call.layout
+  spec = jax.typeof(call.query).sharding.spec
+  axis = {c: (_entry(spec, i, explicit) or None) for i, c in enumerate(lay.query)}
+  at = lambda letters: NamedSharding(mesh, PartitionSpec(*(axis.get(c) for c in letters)))
+  results = list(results)
+  out = jax.sharding.reshard(results.pop(0), at(lay.out))
+  weights = results.pop(0) if call.return_weights else None
+  rows = lay.query.replace("H", "")
+  lse = jax.sharding.reshard(results.pop(0), at(rows)) if call.return_residual else None
+  top = jax.sharding.reshard(results.pop(0), at(rows)) if call.return_max_logits else None
+  return out, weights, lse, top

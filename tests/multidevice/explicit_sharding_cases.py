@@ -1,0 +1,291 @@
+"""`dot_product_attention` on arrays sharded over Explicit mesh axes (jax.make_mesh's
+default), on 8 simulated CPU devices: a 2 x 4 mesh ("data", "model") with the batch
+and the heads sharded, under jax.jit(jax.vjp). Values and gradients against the
+float64 NumPy references (tests/reference*.py); the gradients of arrays the mods
+close over against the same call on one device (the sharding must change nothing).
+
+"quick": mods that read b and n (closing over batch-sharded ids and replicated
+slopes), sinks, lengths, on the default implementation; multi-query heads sharded
+with a bias, blockwise; the sequence sharded (gathered) with a window and segment
+ids; dropout draws that differ between devices. "all" adds the interpreted flex_tpu
+kernel, a block mask, a query without a batch axis, an eager call.
+
+Run by tests/multidevice/test_explicit_sharding.py in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
+check; exits non-zero on any failure.
+"""
+
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jattn
+from jattn import mods
+from jattn._src.impl.interpret import pallas_interpret
+from jattn._src.parallel import explicit_sharding
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from reference import reference_attention, reference_mask  # noqa: E402
+from reference_grads import reference_mods_vjp, reference_vjp  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TOL = 3e-5  # float32 against float64, relative to the largest entry (at least 1)
+B, T, N, H = 4, 16, 8, 8
+MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+QUICK = "quick" in sys.argv
+
+
+def report(name, ok, detail):
+  print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+  return ok
+
+
+def error(got, want):
+  want = np.asarray(want, np.float64)
+  return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / max(1.0, np.abs(want).max()))
+
+
+def on(x, *spec):
+  return jax.device_put(x, NamedSharding(MESH, P(*spec)))
+
+
+def spec_of(x):
+  spec = tuple(jax.typeof(x).sharding.spec)
+  return spec + (None,) * (x.ndim - len(spec))
+
+
+def normal(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def mods_case(rng):
+  """The default implementation; a hand-written document mask_mod (reads b, closes over
+  replicated ids) and ALiBi-like score_mod (reads n, closes over slopes), sinks split
+  with the heads, lengths split with the batch; GQA with K split as N."""
+  K = 4
+  q, k, v = normal(rng, B, T, N, H), normal(rng, B, T, K, H), normal(rng, B, T, K, H)
+  ids = np.sort(rng.integers(0, 3, (B, T)), axis=-1).astype(np.int32)
+  slopes, sinks = normal(rng, N), normal(rng, N)
+  lengths = np.array([16, 11, 7, 14], np.int32)
+  d_out = normal(rng, B, T, N, H)
+
+  def attend(q, k, v, slopes, sinks, ids, lengths):
+    return jattn.dot_product_attention(
+        q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+        mask_mod=lambda b, n, t, s: ids[b, t] == ids[b, s],
+        score_mod=lambda x, b, n, t, s: x + slopes[n] * (s - t).astype(jnp.float32),
+        sinks=sinks)
+
+  def vjp(*arrays):
+    out, pullback = jax.vjp(lambda *a: attend(*a, *arrays[5:]), *arrays[:5])
+    return out, pullback(d_out)
+
+  with jax.set_mesh(MESH):
+    sharded = (on(q, "data", None, "model"), on(k, "data", None, "model"),
+               on(v, "data", None, "model"), on(slopes), on(sinks, "model"),
+               on(ids), on(lengths, "data"))
+    out, grads = jax.jit(vjp)(*sharded)
+  _, one_device = jax.jit(vjp)(q, k, v, slopes, sinks, ids, lengths)
+
+  allowed = reference_mask(B, N, T, T, is_causal=True, kv_lengths=lengths,
+                           q_segment_ids=ids, kv_segment_ids=ids)
+  distance = np.arange(T)[None, :] - np.arange(T)[:, None]  # s - t
+  score = lambda x: x + np.asarray(slopes, np.float64)[None, :, None, None] * distance
+  want = reference_mods_vjp(q, k, v, d_out, allowed=allowed, score=score, sinks=sinks)
+  errors = [error(g, w) for g, w in zip((out, *grads[:3]), want)]
+  errors += [error(g, w) for g, w in zip(grads[3:], one_device[3:])]
+  ok = max(errors) <= TOL and spec_of(out) == ("data", None, "model", None)
+  return report("document + alibi-like mods, sinks, lengths (default implementation)", ok,
+                f"out {spec_of(out)}; max |err| out, dq, dk, dv, d slopes, d sinks = "
+                + ", ".join(f"{e:.1e}" for e in errors))
+
+
+def grouped_heads_case(rng):
+  """Two kv heads for 8 query heads split over 4 devices (K does not divide: each device
+  keeps the one kv head its query heads share), a [B, N, T, S] bias split with the batch
+  and heads, the ready-made ALiBi (reads n: called at the global head), the lse;
+  blockwise. ALiBi is a bias slopes[n] (s - t) for the reference."""
+  q, k, v = normal(rng, B, T, N, H), normal(rng, B, T, 2, H), normal(rng, B, T, 2, H)
+  bias, slopes = normal(rng, B, N, T, T), normal(rng, N)
+  d_out = normal(rng, B, T, N, H)
+
+  def vjp(q, k, v, bias, slopes):
+    (out, lse), pullback = jax.vjp(lambda *a: jattn.dot_product_attention(
+        *a, is_causal=True, implementation="blockwise", return_residual=True,
+        score_mod=mods.alibi(slopes)), q, k, v, bias)
+    return out, lse, pullback((d_out, jnp.zeros_like(lse)))
+
+  with jax.set_mesh(MESH):
+    out, lse, grads = jax.jit(vjp)(on(q, "data", None, "model"), on(k, "data"),
+                                   on(v, "data"), on(bias, "data", "model"), on(slopes))
+  distance = np.arange(T)[None, :] - np.arange(T)[:, None]  # s - t
+  bias = np.asarray(bias, np.float64) + np.asarray(slopes)[None, :, None, None] * distance
+  want = reference_vjp(q, k, v, d_out, bias, is_causal=True)
+  k_of_head = np.repeat(np.asarray(k, np.float64), N // 2, axis=2)  # [B, S, N, H]
+  logits = np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64),
+                     k_of_head) / np.sqrt(H) + np.asarray(bias)
+  logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+  want_lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+  errors = [error(g, w) for g, w in zip((out, *grads), want)]
+  errors.append(error(lse, np.einsum("bnt->btn", want_lse)))
+  ok = (max(errors) <= TOL and spec_of(out) == ("data", None, "model", None)
+        and spec_of(lse) == ("data", None, "model"))
+  return report("grouped heads split, K = 2 over 4 devices, bias, ALiBi, lse (blockwise)", ok,
+                f"out {spec_of(out)}, lse {spec_of(lse)}; max |err| out, dq, dk, dv, "
+                f"d bias, lse = " + ", ".join(f"{e:.1e}" for e in errors))
+
+
+def sequence_case(rng):
+  """The query's sequence sharded: gathered for the call, the output sharded back so; a
+  ready-made document mask over batch-sharded ids (replicated for it) and a window."""
+  q, k, v = normal(rng, B, T, N, H), normal(rng, B, T, 2, H), normal(rng, B, T, 2, H)
+  ids = np.sort(rng.integers(0, 3, (B, T)), axis=-1).astype(np.int32)
+  with jax.set_mesh(MESH):
+    out = jax.jit(lambda q, k, v, ids: jattn.dot_product_attention(
+        q, k, v, mask_mod=mods.and_masks(mods.sliding_window(3), mods.document(ids)),
+        q_segment_ids=ids, kv_segment_ids=ids))(
+            on(q, "data", "model"), on(k, "data", "model"), on(v, "data", "model"),
+            on(ids, "data"))
+  t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+  window = (t - 3 <= s) & (s <= t)
+  want = reference_attention(q, k, v, mask=window, q_segment_ids=ids, kv_segment_ids=ids)
+  e = error(out, want)
+  ok = e <= TOL and spec_of(out) == ("data", "model", None, None)
+  return report("sequence sharded: window + documents + segment ids", ok,
+                f"out {spec_of(out)}; max |err| {e:.1e}")
+
+
+def dropout_case(rng):
+  """Every batch row and head the same: the draws of different devices must differ
+  (one key on every device would repeat them), and a second call repeats the first."""
+  row = normal(rng, 1, T, 1, H)
+  q = jnp.broadcast_to(row, (B, T, N, H))
+  rng_key = jax.random.key(3)
+  with jax.set_mesh(MESH):
+    f = jax.jit(lambda q, key: jattn.dot_product_attention(
+        q, q, q, dropout_rate=0.5, dropout_rng=key))
+    x = on(q, "data", None, "model")
+    out, again = np.asarray(f(x, rng_key)), np.asarray(f(x, rng_key))
+  # one (batch row, head) of each device: rows 0 and 2 are on different "data" devices,
+  # heads 0 and 2 on different "model" devices
+  picks = [out[0, :, 0], out[2, :, 0], out[0, :, 2], out[2, :, 2]]
+  distinct = all(not np.allclose(a, b) for i, a in enumerate(picks) for b in picks[:i])
+  ok = distinct and np.array_equal(out, again)
+  return report("dropout: devices draw apart, a call repeats", ok,
+                f"distinct across devices {distinct}, repeatable {np.array_equal(out, again)}")
+
+
+def flex_tpu_case(rng):
+  """The interpreted flex_tpu kernel under the shard_map: ready-made causal + documents."""
+  T2 = 128
+  q, k, v = normal(rng, B, T2, N, H), normal(rng, B, T2, 4, H), normal(rng, B, T2, 4, H)
+  ids = np.sort(rng.integers(0, 3, (B, T2)), axis=-1).astype(np.int32)
+  d_out = normal(rng, B, T2, N, H)
+
+  def vjp(q, k, v, ids):
+    out, pullback = jax.vjp(lambda *a: jattn.dot_product_attention(
+        *a, mask_mod=mods.causal(), q_segment_ids=ids, kv_segment_ids=ids,
+        implementation="flex_tpu"), q, k, v)
+    return out, pullback(d_out)
+
+  with jax.set_mesh(MESH), pallas_interpret():
+    out, grads = jax.jit(vjp)(on(q, "data", None, "model"), on(k, "data", None, "model"),
+                              on(v, "data", None, "model"), on(ids, "data"))
+  want = reference_vjp(q, k, v, d_out, is_causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+  errors = [error(g, w) for g, w in zip((out, *grads), want)]
+  return report("interpreted flex_tpu: causal + segment ids", max(errors) <= TOL,
+                "max |err| out, dq, dk, dv = " + ", ".join(f"{e:.1e}" for e in errors))
+
+
+def block_mask_case(rng):
+  """A block mask of a per-row document mask (B-dependent classes) split with the batch."""
+  q = normal(rng, B, T, N, H)
+  ids = np.sort(rng.integers(0, 3, (B, T)), axis=-1).astype(np.int32)
+  doc = mods.document(jnp.asarray(ids))
+  block_mask = jattn.create_block_mask(doc, B, None, T, T,
+                                       block_sizes=jattn.BlockSizes(q=4, kv=4))
+  with jax.set_mesh(MESH):
+    out = jax.jit(lambda q, bm: jattn.dot_product_attention(q, q, q, block_mask=bm))(
+        on(q, "data", None, "model"), block_mask)
+  want = reference_attention(q, q, q, q_segment_ids=ids, kv_segment_ids=ids)
+  e = error(out, want)
+  return report("block mask of documents (blockwise)", e <= TOL, f"max |err| {e:.1e}")
+
+
+def unbatched_eager_case(rng):
+  """A query without a batch axis, heads sharded, called eagerly: twice with new values,
+  one compilation."""
+  q, q2 = normal(rng, T, N, H), normal(rng, T, N, H)
+  attend = lambda q: jattn.dot_product_attention(
+      on(q, None, "model"), on(q, None, "model"), on(q, None, "model"), is_causal=True)
+  with jax.set_mesh(MESH):
+    out = attend(q)
+    compiled = explicit_sharding._sharded._cache_size()
+    attend(q2)
+    again = explicit_sharding._sharded._cache_size()
+  want = reference_attention(q, q, q, is_causal=True)
+  e = error(out, want)
+  ok = e <= TOL and spec_of(out) == (None, "model", None) and again == compiled
+  return report("no batch axis, eager, compiled once", ok,
+                f"out {spec_of(out)}; max |err| {e:.1e}; programs {compiled} -> {again}")
+
+
+def raises(name, fn, *needles):
+  try:
+    fn()
+  except (TypeError, ValueError) as e:
+    found = all(n in str(e) for n in needles)
+    return report(name, found, f"{type(e).__name__}: {str(e)[:300]}")
+  return report(name, False, "no error")
+
+
+def errors_case(rng):
+  """A hand-written mod indexing a batch-sharded array: jax 0.10 cannot trace that (a
+  TypeError that says to replicate it), newer jax can (then the values must be right);
+  arrays on two meshes: a ValueError naming both."""
+  q = normal(rng, B, T, N, H)
+  ids = np.sort(rng.integers(0, 3, (B, T)), axis=-1).astype(np.int32)
+  with jax.set_mesh(MESH):
+    x, sharded_ids = on(q, "data", None, "model"), on(ids, "data")
+    attend = lambda: jax.jit(lambda q, ids: jattn.dot_product_attention(
+        q, q, q, mask_mod=lambda b, n, t, s: ids[b, t] == ids[b, s]))(x, sharded_ids)
+    try:
+      out = attend()
+    except TypeError:
+      ok = raises("a mod over a sharded array says to replicate it", attend,
+                  "mask_mod", "jax.sharding.reshard(x, jax.P())")
+    else:
+      e = error(out, reference_attention(q, q, q, q_segment_ids=ids, kv_segment_ids=ids))
+      ok = report("a mod over a sharded array (traced by this jax)", e <= TOL,
+                  f"max |err| {e:.1e}")
+  other = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  k = jax.device_put(q, NamedSharding(other, P("data")))
+  ok &= raises("arrays on two meshes", lambda: jattn.dot_product_attention(x, k, k),
+               "one mesh", "query", "key")
+  return ok
+
+
+def main():
+  assert jax.device_count() == 8, jax.devices()
+  rng = np.random.default_rng(0)
+  cases = [mods_case, grouped_heads_case, sequence_case, dropout_case, flex_tpu_case,
+           errors_case]
+  if not QUICK:
+    cases += [block_mask_case, unbatched_eager_case]
+  ok = True
+  for case in cases:
+    try:
+      ok &= case(rng)
+    except Exception as e:  # one broken case reports and the rest still run
+      ok = report(case.__name__, False, f"{type(e).__name__}: {str(e)[:400]}")
+  sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+  main()
