@@ -199,8 +199,12 @@ class Block(nnx.Module):
     self.logit_soft_cap = config.logit_soft_cap
 
   def __call__(self, x, **attention_kwargs):
-    x = x + self.attention(self.attention_norm(x), is_causal=True,
-                           **layer_mods(self.window, self.logit_soft_cap), **attention_kwargs)
+    attended = self.attention(self.attention_norm(x), is_causal=True,
+                              **layer_mods(self.window, self.logit_soft_cap),
+                              **attention_kwargs)
+    # the residual stream keeps its dtype (attention may compute in config.dtype, e.g.
+    # bfloat16, where strict dtype promotion would refuse float32 + bfloat16)
+    x = x + attended.astype(x.dtype)
     return x + self.mlp(self.mlp_norm(x))
 
 

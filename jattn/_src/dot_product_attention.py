@@ -7,7 +7,7 @@ from jattn._src.call import make_call
 from jattn._src.impl import interpret
 from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.impl.registry import NAMES
-from jattn._src.parallel import explicit_sharding
+from jattn._src.parallel import sharded_call
 from jattn._src.parallel.ring import from_context
 
 
@@ -119,12 +119,15 @@ def dot_product_attention(
     block_mask: a `jattn.BlockMask` of mask_mod (from `jattn.create_block_mask`),
       reused across calls and layers; "blockwise" computes it when absent.
 
-  Sharded inputs: on arrays sharded over Explicit mesh axes (`jax.make_mesh`'s
+  On a mesh: on arrays sharded over Explicit mesh axes (`jax.make_mesh`'s
   default), each device computes its batch rows and heads under `jax.shard_map`,
-  whatever the implementation; the mods still see global (b, n), dropout draws
+  whatever the implementation, and the output keeps the query's sharding (D
+  unsharded), as jax.nn's does. Under a mesh of Auto axes set by `jax.set_mesh`,
+  where a platform's choice is a Pallas kernel (which the compiler cannot
+  partition), the same, with the batch over the mesh's "data" axis and the heads
+  over "model" where present. The mods still see global (b, n), dropout draws
   apart per device, a sharded sequence is gathered (`jattn.ring_attention`
-  shards it), and the output keeps the query's sharding (D unsharded), as jax.nn's
-  does. Auto axes are left to the compiler. See docs/scaling.md.
+  shards it). See docs/scaling.md.
 
   Order of operations: logits * scale + bias -> score_mod -> every mask ->
   softmax (with sinks) -> dropout -> weighted sum of values.
@@ -165,15 +168,17 @@ def dot_product_attention(
                    dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                    broadcast_dropout=broadcast_dropout, return_weights=return_weights,
                    block_sizes=block_sizes, interpret=interpret.interpreting(), **kwargs)
-  mesh = explicit_sharding.explicit_mesh(dict(query=call.query, key=call.key,
-                                              value=call.value, modifiers=call.modifiers))
+  mesh = sharded_call.explicit_mesh(dict(query=call.query, key=call.key,
+                                         value=call.value, modifiers=call.modifiers))
+  if mesh is None:
+    choices = dispatch.choose_all(call, implementation)
+    mesh = sharded_call.mesh_of_kernels(choices)
   if mesh is not None:  # each device its batch rows and heads, under shard_map
-    out, weights, lse, max_logits = explicit_sharding.run(
+    out, weights, lse, max_logits = sharded_call.run(
         call, mesh, implementation=implementation, dropout_rate=dropout_rate,
         dropout_rng=dropout_rng, broadcast_dropout=broadcast_dropout,
         block_sizes=block_sizes, dot_product_attention=dot_product_attention)
   else:
-    choices = dispatch.choose_all(call, implementation)
     dispatch.record(choices)
     out, weights, lse, max_logits = dispatch.compute(call, choices)
   if not call.dims.has_batch:

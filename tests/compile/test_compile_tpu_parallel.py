@@ -87,6 +87,37 @@ def test_batch_and_head_sharded_call_runs_the_kernel_per_device_without_gatherin
     assert gathering not in text, (gathering, report)
 
 
+def test_transformer_train_step_compiles_on_a_data_model_mesh_of_auto_axes():
+  """The Transformer's loss and gradient as examples/training.py runs it on a 2x2 v5e:
+  Auto axes ("data", "model") = (2, 2), parameters and batch sharded by jattn.sharding,
+  the default implementation. The compiler cannot partition a Mosaic kernel (before:
+  "Mosaic kernels cannot be automatically partitioned. Please wrap the call in a
+  shard_map"), so each chip runs flex_tpu on its rows and heads, and nothing gathers
+  the activations for attention."""
+  devices = np.asarray(deviceless.devices(SLICE), dtype=object).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  config = TransformerConfig(vocab_size=128, max_len=1024, num_layers=1, features=256,
+                             num_heads=4, mlp_features=512, position_encoding="rope",
+                             dtype=jnp.bfloat16)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))),
+                               nnx.Param)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        params, sharding.state_shardings(params, mesh))
+  tokens = {"tokens": jax.ShapeDtypeStruct((4, 1024), jnp.int32)}
+  tokens = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tokens, sharding.batch_shardings(tokens, mesh))
+
+  def loss(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["tokens"])
+    return jnp.mean(logits.astype(jnp.float32))
+
+  compiled, report = deviceless.compile_for(SLICE, jax.value_and_grad(loss), params, tokens,
+                                            mesh=mesh)
+  assert {"jattn_flex_tpu_fwd", "jattn_flex_tpu_dq", "jattn_flex_tpu_dkv"} <= set(
+      report.kernels), report
+  assert "all-gather" not in compiled.as_text(), report
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "found by this tier, not fixed: implementation='context_parallel' reads the mesh set by "
     "jax.set_mesh, and under a mesh of compile-only devices every eager jnp op fails "

@@ -1,27 +1,33 @@
-"""`dot_product_attention` on arrays sharded over Explicit mesh axes: each device its
-batch rows and heads.
+"""`dot_product_attention` on a mesh: each device its batch rows and heads, under shard_map.
 
-Under `jax.sharding.AxisType.Explicit` axes (`jax.make_mesh`'s default) an
-array's sharding is part of its type, and every op must say how its result is
-sharded. jattn's kernels (Pallas calls), its blockwise loops and the platform
-branches cannot: they are per-device programs. Attention is independent across
-batch rows and heads, so the call runs under `jax.shard_map` with the batch and
-heads split as the query's are, and each device runs the ordinary call on its
-share:
+Two cases need it:
 
-  B, N    sharded as the query's B and N axes (K with N when K divides over the
-          same devices; else every device keeps the kv head its query heads
-          share, or the heads are not split);
-  T, S, H, D  gathered: sequence sharding is what `jattn.ring_attention` and
-          `jattn.context_parallel_attention` are for;
+  Explicit axes (`jax.make_mesh`'s default): an array's sharding is part of its
+    type, and every op must say how its result is sharded. jattn's kernels
+    (Pallas calls), its blockwise loops and the platform branches cannot: they
+    are per-device programs. The batch and heads are split as the query's are.
+  Auto axes of the mesh set by `jax.set_mesh`, where a platform's choice is a
+    Pallas kernel: the compiler cannot partition one ("Mosaic kernels cannot be
+    automatically partitioned"), so training on a TPU slice failed to compile.
+    The types say nothing of the sharding, so the batch goes over the mesh's
+    "data" axis and the heads over "model", jattn's naming (`jattn.sharding`),
+    where present; other axes see the whole call.
+
+Attention is independent across batch rows and heads, so each device runs the
+ordinary call on its share:
+
+  B, N    split (K with N when K divides over the same devices; else every device
+          keeps the kv head its query heads share, or the heads are not split);
+  T, S, H, D  whole on each device: sequence sharding is what
+          `jattn.ring_attention` and `jattn.context_parallel_attention` are for;
   mods    see global (b, n): mask_mod and score_mod that read b or n are called
           with b + first row, n + first head; the arrays they close over are
           replicated; sinks and a block mask are split with the heads and rows;
   dropout one draw per device, its key folded with the device's place on the
           batch and head axes, so devices do not repeat each other's draw.
 
-The output keeps the query's sharding (D unsharded), the lse and max logits the
-query's without H, as jax.nn's do.
+On Explicit axes the output keeps the query's sharding (D unsharded), the lse and
+max logits the query's without H, as jax.nn's do.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ from jattn._src.call import Call
 from jattn._src.core.explicit_axes import explicit_axes
 from jattn._src.core.layout import Layout
 
-__all__ = ["explicit_mesh", "run"]
+__all__ = ["explicit_mesh", "mesh_of_kernels", "run"]
+
+# jattn's mesh axis names (`jattn.sharding`): the batch and the heads
+BATCH_AXIS, HEADS_AXIS = "data", "model"
 
 
 def explicit_mesh(named_arrays: dict):
@@ -83,13 +92,15 @@ class Split:
 
 
 def split_of(call: Call, mesh) -> Split:
-  """The query's batch and head sharding, kept where the sizes divide over it."""
+  """The query's batch and head sharding on the mesh's Explicit axes, else the mesh's
+  Auto "data" and "model" axes; kept where the sizes divide over it."""
   explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
   spec = jax.typeof(call.query).sharding.spec
   lay, dims = call.layout, call.dims
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  batch = _entry(spec, lay.axis("B"), explicit)
-  heads = _entry(spec, lay.axis("N"), explicit)
+  batch = _entry(spec, lay.axis("B"), explicit) or tuple({BATCH_AXIS} & auto)
+  heads = _entry(spec, lay.axis("N"), explicit) or tuple({HEADS_AXIS} & auto)
   if dims.B % size(batch):
     batch = ()
   if dims.N % size(heads):
@@ -104,7 +115,30 @@ def split_of(call: Call, mesh) -> Split:
   return Split(batch, heads, kv_heads, size(batch), size(heads))
 
 
+# Implementations the compiler cannot partition (Pallas calls); cuDNN's has jax's own
+# partitioning rule, and the rest are jax ops.
+KERNELS = frozenset({"flex_tpu", "splash", "flex_gpu", "flex_mgpu", "flex_mgpu_ws", "pallas"})
+
+
+def mesh_of_kernels(choices):
+  """The mesh set by `jax.set_mesh` when a platform's choice is a Pallas kernel and the
+  mesh has devices the compiler would partition the call over; else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or math.prod(mesh.shape.values()) == 1:
+    return None
+  if all(t == AxisType.Manual for t in mesh.axis_types):  # inside a shard_map
+    return None
+  if not any(c.implementation in KERNELS for c in choices):
+    return None
+  return mesh
+
+
 def _place(x, spec, mesh):
+  """x resharded to spec on the mesh's Explicit axes (shard_map places Auto ones)."""
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  if not explicit:
+    return x
+  spec = PartitionSpec(*((_entry(spec, i, explicit) or None) for i in range(len(spec))))
   return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
@@ -294,7 +328,10 @@ def _sharded(values, *, program: _Program, dot_product_attention):
   spec = split.spec
   out_specs = ((spec(Layout(program.layout).out),) + (spec("BNTS"),) * options["return_weights"]
                + (spec(rows),) * (options["return_residual"] + options["return_max_logits"]))
+  # axes a caller's shard_map already made manual stay so
+  axes = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
   return jax.shard_map(body, mesh=mesh, in_specs=program.in_specs, out_specs=out_specs,
+                       axis_names=axes,
                        # the blockwise loops start their accumulators from constants,
                        # which the varying-manual-axes check would reject as carries
                        check_vma=False)(*placed)
@@ -304,6 +341,12 @@ def _home(results, call: Call, mesh):
   """(out, weights, lse, max logits), out with the query's sharding (D unsharded), the
   rows with the query's without H, as jax.nn's."""
   explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  if not explicit:  # Auto axes: left to the compiler
+    results = list(results)
+    take = lambda asked: results.pop(0) if asked else None
+    out = results.pop(0)
+    return out, take(call.return_weights), take(call.return_residual), take(
+        call.return_max_logits)
   lay = call.layout
   spec = jax.typeof(call.query).sharding.spec
   axis = {c: (_entry(spec, i, explicit) or None) for i, c in enumerate(lay.query)}

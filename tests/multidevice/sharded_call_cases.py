@@ -1,16 +1,19 @@
-"""`dot_product_attention` on arrays sharded over Explicit mesh axes (jax.make_mesh's
-default), on 8 simulated CPU devices: a 2 x 4 mesh ("data", "model") with the batch
-and the heads sharded, under jax.jit(jax.vjp). Values and gradients against the
-float64 NumPy references (tests/reference*.py); the gradients of arrays the mods
-close over against the same call on one device (the sharding must change nothing).
+"""`dot_product_attention` on a mesh, on 8 simulated CPU devices: a 2 x 4 mesh
+("data", "model") with the batch and the heads sharded, under jax.jit(jax.vjp), on
+Explicit axes (jax.make_mesh's default: the sharding is in the types) and on Auto axes
+(the call runs under shard_map because the TPU and GPU choices are Pallas kernels).
+Values and gradients against the float64 NumPy references (tests/reference*.py); the
+gradients of arrays the mods close over against the same call on one device (the
+sharding must change nothing).
 
-"quick": mods that read b and n (closing over batch-sharded ids and replicated
-slopes), sinks, lengths, on the default implementation; multi-query heads sharded
-with a bias, blockwise; the sequence sharded (gathered) with a window and segment
-ids; dropout draws that differ between devices. "all" adds the interpreted flex_tpu
-kernel, a block mask, a query without a batch axis, an eager call.
+"quick": mods that read b and n, sinks, lengths, on the default implementation, on
+both kinds of axes; grouped heads (K = 2 over 4 devices) with a bias and ALiBi,
+blockwise; the sequence sharded (gathered) with a window and documents; dropout draws
+that differ between devices; the interpreted flex_tpu kernel; the errors. "all" adds a
+block mask, a query without a batch axis called eagerly (compiled once), and a call
+inside a caller's shard_map over one of the axes.
 
-Run by tests/multidevice/test_explicit_sharding.py in a subprocess with
+Run by tests/multidevice/test_sharded_call.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
 check; exits non-zero on any failure.
 """
@@ -26,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jattn
 from jattn import mods
 from jattn._src.impl.interpret import pallas_interpret
-from jattn._src.parallel import explicit_sharding
+from jattn._src.parallel import sharded_call
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from reference import reference_attention, reference_mask  # noqa: E402
@@ -37,7 +40,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 TOL = 3e-5  # float32 against float64, relative to the largest entry (at least 1)
 B, T, N, H = 4, 16, 8, 8
-MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+MESH = None  # the 2 x 4 mesh of Explicit axes, made by main (pytest imports this module)
 QUICK = "quick" in sys.argv
 
 
@@ -51,8 +54,8 @@ def error(got, want):
   return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / max(1.0, np.abs(want).max()))
 
 
-def on(x, *spec):
-  return jax.device_put(x, NamedSharding(MESH, P(*spec)))
+def on(x, *spec, mesh=None):
+  return jax.device_put(x, NamedSharding(mesh or MESH, P(*spec)))
 
 
 def spec_of(x):
@@ -64,10 +67,14 @@ def normal(rng, *shape):
   return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
-def mods_case(rng):
+def mods_case(rng, mesh=None):
   """The default implementation; a hand-written document mask_mod (reads b, closes over
   replicated ids) and ALiBi-like score_mod (reads n, closes over slopes), sinks split
-  with the heads, lengths split with the batch; GQA with K split as N."""
+  with the heads, lengths split with the batch; GQA with K split as N. mesh: MESH
+  (Explicit axes), or one of Auto axes, where the types carry no sharding and the
+  call runs under shard_map because the TPU and GPU choices are Pallas kernels."""
+  mesh = mesh or MESH
+  explicit = mesh.axis_types[0] == AxisType.Explicit
   K = 4
   q, k, v = normal(rng, B, T, N, H), normal(rng, B, T, K, H), normal(rng, B, T, K, H)
   ids = np.sort(rng.integers(0, 3, (B, T)), axis=-1).astype(np.int32)
@@ -86,11 +93,13 @@ def mods_case(rng):
     out, pullback = jax.vjp(lambda *a: attend(*a, *arrays[5:]), *arrays[:5])
     return out, pullback(d_out)
 
-  with jax.set_mesh(MESH):
-    sharded = (on(q, "data", None, "model"), on(k, "data", None, "model"),
-               on(v, "data", None, "model"), on(slopes), on(sinks, "model"),
-               on(ids), on(lengths, "data"))
+  with jax.set_mesh(mesh):
+    sharded = (on(q, "data", None, "model", mesh=mesh), on(k, "data", None, "model", mesh=mesh),
+               on(v, "data", None, "model", mesh=mesh), on(slopes, mesh=mesh),
+               on(sinks, "model", mesh=mesh), on(ids, mesh=mesh),
+               on(lengths, "data", mesh=mesh))
     out, grads = jax.jit(vjp)(*sharded)
+    program = str(jax.make_jaxpr(vjp)(*sharded))
   _, one_device = jax.jit(vjp)(q, k, v, slopes, sinks, ids, lengths)
 
   allowed = reference_mask(B, N, T, T, is_causal=True, kv_lengths=lengths,
@@ -100,10 +109,20 @@ def mods_case(rng):
   want = reference_mods_vjp(q, k, v, d_out, allowed=allowed, score=score, sinks=sinks)
   errors = [error(g, w) for g, w in zip((out, *grads[:3]), want)]
   errors += [error(g, w) for g, w in zip(grads[3:], one_device[3:])]
-  ok = max(errors) <= TOL and spec_of(out) == ("data", None, "model", None)
-  return report("document + alibi-like mods, sinks, lengths (default implementation)", ok,
-                f"out {spec_of(out)}; max |err| out, dq, dk, dv, d slopes, d sinks = "
-                + ", ".join(f"{e:.1e}" for e in errors))
+  # the shard_map splits the batch over "data" and the heads over "model"
+  split = "shard_map" in program and "P('data', None, 'model'" in program
+  ok = max(errors) <= TOL and split and (
+      not explicit or spec_of(out) == ("data", None, "model", None))
+  kind = "Explicit" if explicit else "Auto"
+  return report(f"{kind} axes: document + alibi-like mods, sinks, lengths (default "
+                f"implementation)", ok,
+                f"out {spec_of(out)}, batch and heads split {split}; max |err| out, dq, dk, "
+                f"dv, d slopes, d sinks = " + ", ".join(f"{e:.1e}" for e in errors))
+
+
+def auto_case(rng):
+  return mods_case(rng, jax.make_mesh((2, 4), ("data", "model"),
+                                      axis_types=(AxisType.Auto,) * 2))
 
 
 def grouped_heads_case(rng):
@@ -226,14 +245,30 @@ def unbatched_eager_case(rng):
       on(q, None, "model"), on(q, None, "model"), on(q, None, "model"), is_causal=True)
   with jax.set_mesh(MESH):
     out = attend(q)
-    compiled = explicit_sharding._sharded._cache_size()
+    compiled = sharded_call._sharded._cache_size()
     attend(q2)
-    again = explicit_sharding._sharded._cache_size()
+    again = sharded_call._sharded._cache_size()
   want = reference_attention(q, q, q, is_causal=True)
   e = error(out, want)
   ok = e <= TOL and spec_of(out) == (None, "model", None) and again == compiled
   return report("no batch axis, eager, compiled once", ok,
                 f"out {spec_of(out)}; max |err| {e:.1e}; programs {compiled} -> {again}")
+
+
+def partly_manual_case(rng):
+  """Inside a caller's shard_map over "data" (Auto "model" left): the call splits the
+  heads over "model" only, in a shard_map of its own."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  q = normal(rng, B, T, N, H)
+  with jax.set_mesh(mesh):
+    f = jax.jit(jax.shard_map(lambda x: jattn.dot_product_attention(x, x, x, is_causal=True),
+                              mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                              axis_names={"data"}))
+    out = f(q)
+    nested = str(jax.make_jaxpr(f)(q)).count("shard_map") == 2
+  e = error(out, reference_attention(q, q, q, is_causal=True))
+  return report("inside a shard_map over one axis", e <= TOL and nested,
+                f"a shard_map of its own {nested}; max |err| {e:.1e}")
 
 
 def raises(name, fn, *needles):
@@ -272,12 +307,14 @@ def errors_case(rng):
 
 
 def main():
+  global MESH
   assert jax.device_count() == 8, jax.devices()
+  MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   rng = np.random.default_rng(0)
-  cases = [mods_case, grouped_heads_case, sequence_case, dropout_case, flex_tpu_case,
-           errors_case]
+  cases = [mods_case, auto_case, grouped_heads_case, sequence_case, dropout_case,
+           flex_tpu_case, errors_case]
   if not QUICK:
-    cases += [block_mask_case, unbatched_eager_case]
+    cases += [block_mask_case, unbatched_eager_case, partly_manual_case]
   ok = True
   for case in cases:
     try:
