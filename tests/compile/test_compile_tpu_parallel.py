@@ -87,6 +87,27 @@ def test_batch_and_head_sharded_call_runs_the_kernel_per_device_without_gatherin
     assert gathering not in text, (gathering, report)
 
 
+def _compile_transformer_step(mesh, batch: int, **config):
+  """The Transformer's loss and gradient compiled for SLICE on `mesh`, parameters and
+  tokens [batch, 1024] sharded by jattn.sharding's rules -> (compiled, report)."""
+  config = TransformerConfig(vocab_size=128, max_len=1024, num_layers=1, features=256,
+                             num_heads=4, mlp_features=512, position_encoding="rope",
+                             dtype=jnp.bfloat16, **config)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))),
+                               nnx.Param)
+  on = lambda tree, shardings: jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+  params = on(params, sharding.state_shardings(params, mesh))
+  tokens = {"tokens": jax.ShapeDtypeStruct((batch, 1024), jnp.int32)}
+  tokens = on(tokens, sharding.batch_shardings(tokens, mesh))
+
+  def loss(params, batch):
+    logits = nnx.merge(graphdef, params)(batch["tokens"])
+    return jnp.mean(logits.astype(jnp.float32))
+
+  return deviceless.compile_for(SLICE, jax.value_and_grad(loss), params, tokens, mesh=mesh)
+
+
 def test_transformer_train_step_compiles_on_a_data_model_mesh_of_auto_axes():
   """The Transformer's loss and gradient as examples/training.py runs it on a 2x2 v5e:
   Auto axes ("data", "model") = (2, 2), parameters and batch sharded by jattn.sharding,
@@ -96,23 +117,7 @@ def test_transformer_train_step_compiles_on_a_data_model_mesh_of_auto_axes():
   the activations for attention."""
   devices = np.asarray(deviceless.devices(SLICE), dtype=object).reshape(2, 2)
   mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-  config = TransformerConfig(vocab_size=128, max_len=1024, num_layers=1, features=256,
-                             num_heads=4, mlp_features=512, position_encoding="rope",
-                             dtype=jnp.bfloat16)
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))),
-                               nnx.Param)
-  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        params, sharding.state_shardings(params, mesh))
-  tokens = {"tokens": jax.ShapeDtypeStruct((4, 1024), jnp.int32)}
-  tokens = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        tokens, sharding.batch_shardings(tokens, mesh))
-
-  def loss(params, batch):
-    logits = nnx.merge(graphdef, params)(batch["tokens"])
-    return jnp.mean(logits.astype(jnp.float32))
-
-  compiled, report = deviceless.compile_for(SLICE, jax.value_and_grad(loss), params, tokens,
-                                            mesh=mesh)
+  compiled, report = _compile_transformer_step(mesh, 4)
   assert {"jattn_flex_tpu_fwd", "jattn_flex_tpu_dq", "jattn_flex_tpu_dkv"} <= set(
       report.kernels), report
   assert "all-gather" not in compiled.as_text(), report
@@ -128,24 +133,7 @@ def test_transformer_train_step_compiles_on_the_data_model_seq_mesh():
   a 2x2 v5e: parameters and batch sharded by jattn.sharding's rules, attention
   context-parallel over "seq"."""
   mesh = deviceless.mesh(SLICE, {"data": 1, "model": 2, "seq": 2})
-  config = TransformerConfig(vocab_size=128, max_len=1024, num_layers=1, features=256,
-                             num_heads=4, mlp_features=512, position_encoding="rope",
-                             implementation="context_parallel", dtype=jnp.bfloat16)
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))),
-                               nnx.Param)
-  shardings = sharding.state_shardings(params, mesh)
-  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        params, shardings)
-  tokens = {"tokens": jax.ShapeDtypeStruct((2, 1024), jnp.int32)}
-  tokens = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        tokens, sharding.batch_shardings(tokens, mesh))
-
-  def loss(params, batch):
-    logits = nnx.merge(graphdef, params)(batch["tokens"])
-    return jnp.mean(logits.astype(jnp.float32))
-
-  compiled, report = deviceless.compile_for(SLICE, jax.value_and_grad(loss), params, tokens,
-                                            mesh=mesh)
+  compiled, report = _compile_transformer_step(mesh, 2, implementation="context_parallel")
   text = compiled.as_text()
   assert any(c in text for c in COLLECTIVE.values()), report
   assert any(k.startswith(MOSAIC) for k in report.kernels), report
