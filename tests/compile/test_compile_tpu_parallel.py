@@ -87,6 +87,26 @@ def test_batch_and_head_sharded_call_runs_the_kernel_per_device_without_gatherin
     assert gathering not in text, (gathering, report)
 
 
+def test_decode_on_a_data_model_mesh_of_auto_axes_runs_the_kernel_per_chip():
+  """decode_attention under a mesh of Auto ("data", "model") axes of a 2x2 v5e: the
+  paged kernel cannot be partitioned by the compiler (before: "Mosaic kernels cannot be
+  automatically partitioned"), so each chip runs it on its rows and kv heads, with ALiBi
+  and sinks, and the program gathers nothing."""
+  devices = np.asarray(deviceless.devices(SLICE), dtype=object).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  B, N, K, H = 4, 8, 2, 128
+  cache = jax.eval_shape(lambda: jattn.paged.init_cache(
+      B, 1024, num_kv_heads=K, head_dim=H, page_size=64, num_pages=48, dtype=jnp.bfloat16))
+  q = jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16)
+  slopes = jax.ShapeDtypeStruct((N,), jnp.float32)
+  compiled, report = deviceless.compile_for(
+      SLICE, lambda q, cache, slopes: jattn.decode_attention(
+          q, cache, is_causal=True, score_mod=mods.alibi(slopes), sinks=slopes),
+      q, cache, slopes, mesh=mesh)
+  assert report.kernels == ("jattn_paged_decode_tpu",), report
+  assert "all-gather" not in compiled.as_text(), report
+
+
 def _compile_transformer_step(mesh, batch: int, **config):
   """The Transformer's loss and gradient compiled for SLICE on `mesh`, parameters and
   tokens [batch, 1024] sharded by jattn.sharding's rules -> (compiled, report)."""

@@ -9,7 +9,9 @@ sharding must change nothing).
 "quick": mods that read b and n, sinks, lengths, on the default implementation, on
 both kinds of axes; grouped heads (K = 2 over 4 devices) with a bias and ALiBi,
 blockwise; the sequence sharded (gathered) with a window and documents; dropout draws
-that differ between devices; the interpreted flex_tpu kernel; the errors. "all" adds a
+that differ between devices; the interpreted flex_tpu kernel; the errors;
+decode_attention over a paged cache, rows and kv heads split, on both kinds of axes.
+"all" adds a
 block mask, a query without a batch axis called eagerly (compiled once), and a call
 inside a caller's shard_map over one of the axes.
 
@@ -18,6 +20,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
 check; exits non-zero on any failure.
 """
 
+import dataclasses
 import pathlib
 import sys
 
@@ -32,7 +35,7 @@ from jattn._src.impl.interpret import pallas_interpret
 from jattn._src.parallel import sharded_call
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from reference import reference_attention, reference_mask  # noqa: E402
+from reference import reference_attention, reference_mask, reference_mods  # noqa: E402
 from reference_grads import reference_mods_vjp, reference_vjp  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -271,6 +274,58 @@ def partly_manual_case(rng):
                 f"a shard_map of its own {nested}; max |err| {e:.1e}")
 
 
+def decode_case(rng, explicit):
+  """decode_attention over a paged cache: the rows over "data", the query heads and the
+  pool's kv heads over "model"; causal, ALiBi (reads n), sinks; against float64 over
+  the dense prompt. Explicit axes: the cache placed so (pools by kv head, tables by
+  row), and a hand-written document mask_mod (reads b). Auto axes: the TPU choice
+  (paged_tpu, a Pallas kernel, which takes no documents yet) puts the call under
+  shard_map."""
+  S, K, page, H = 16, 4, 8, 128  # head dims the TPU kernel takes (128 lanes)
+  lengths = np.array([13, 7, 16, 4], np.int32)
+  k, v, q = normal(rng, B, S, K, H), normal(rng, B, S, K, H), normal(rng, B, 1, N, H)
+  ids = np.sort(rng.integers(0, 3, (B, S)), axis=-1).astype(np.int32)
+  slopes, sinks = normal(rng, N), normal(rng, N)
+  cache = jattn.paged.append(jattn.paged.init_cache(B, S, num_kv_heads=K, head_dim=H,
+                                                     page_size=page), k, v, lengths)
+  kind = AxisType.Explicit if explicit else AxisType.Auto
+  mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind,) * 2)
+
+  if not explicit:
+    ids = np.zeros_like(ids)  # one document
+
+  def decode(q, cache, slopes, sinks, ids):
+    document = lambda b, n, t, s: ids[b, t] == ids[b, s]
+    return jattn.decode_attention(
+        q, cache, mask_mod=mods.and_masks(mods.causal(), document) if explicit else None,
+        is_causal=not explicit, score_mod=mods.alibi(slopes), sinks=sinks)
+
+  with jax.set_mesh(mesh):
+    pool = NamedSharding(mesh, P(None, "model"))
+    if explicit:
+      cache = dataclasses.replace(
+          cache, key_pages=jax.device_put(cache.key_pages, pool),
+          value_pages=jax.device_put(cache.value_pages, pool),
+          block_table=on(cache.block_table, "data", mesh=mesh),
+          lengths=on(cache.lengths, "data", mesh=mesh))
+    x = on(q, "data", None, "model", mesh=mesh)
+    out = jax.jit(decode)(x, cache, on(slopes, mesh=mesh), on(sinks, "model", mesh=mesh),
+                          on(ids, mesh=mesh))
+    program = str(jax.make_jaxpr(decode)(x, cache, slopes, sinks, ids))
+  position = (lengths - 1)[:, None, None, None]  # each row's query: its last token
+  s = np.arange(S)[None, None, None, :]
+  same_doc = (ids[np.arange(B), lengths - 1][:, None] == ids)[:, None, None, :]
+  allowed = (s <= position) & (s < lengths[:, None, None, None]) & same_doc
+  score = lambda x: x + np.asarray(slopes, np.float64)[None, :, None, None] * (s - position)
+  want, _ = reference_mods(q, k, v, allowed=allowed, score=score, sinks=sinks)
+  e = error(out, want)
+  split = "shard_map" in program and "P('data', None, 'model'" in program
+  ok = e <= TOL and split and (not explicit or spec_of(out) == ("data", None, "model", None))
+  return report(f"decode on {'Explicit' if explicit else 'Auto'} axes: causal "
+                f"{'+ documents ' if explicit else ''}+ ALiBi + sinks", ok, f"out {spec_of(out)}, rows and heads split {split}; "
+                f"max |err| {e:.1e}")
+
+
 def raises(name, fn, *needles):
   try:
     fn()
@@ -312,7 +367,8 @@ def main():
   MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
   rng = np.random.default_rng(0)
   cases = [mods_case, auto_case, grouped_heads_case, sequence_case, dropout_case,
-           flex_tpu_case, errors_case]
+           flex_tpu_case, errors_case, lambda rng: decode_case(rng, explicit=True),
+           lambda rng: decode_case(rng, explicit=False)]
   if not QUICK:
     cases += [block_mask_case, unbatched_eager_case, partly_manual_case]
   ok = True

@@ -17,6 +17,7 @@ from jattn._src.call import local_window
 from jattn._src.core import checks as _checks
 from jattn._src.decode import paged_cache as _paged
 from jattn._src.decode import registry as _registry
+from jattn._src.decode import sharded_decode
 from jattn._src.decode import work_list as _work_list
 from jattn._src.masks.closed_form_blocks import is_closed_form
 from jattn._src.masks.programmable import build_mods
@@ -144,6 +145,13 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
   "paged_tpu", in its kernel: HBM traffic is the int8 bytes); the query may be
   any float dtype, the computation and the output are in it.
 
+  On a mesh (Explicit axes in the arrays' types, or Auto axes set by jax.set_mesh
+  where a platform's choice is a Pallas kernel, which the compiler cannot
+  partition): each device runs its rows (the query's B over the "data" axis, or
+  as the query is sharded) and its query and kv heads (N with the pools' K over
+  "model", where K divides) under jax.shard_map; the page pool is whole on each
+  device of a row group, and the mods see global (b, n). See docs/scaling.md.
+
   Under jax.jit a row whose query_lengths is out of range (which raises
   eagerly) cannot raise: it reads nothing and its output (and max logits) is
   NaN in every slot, never a value at a wrong position.
@@ -168,6 +176,14 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
       query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal, local_window_size,
       scale, pages_per_step, return_max_logits)
   choices = _choices(call, implementation)
+  mesh = sharded_decode.mesh_for(query, cache, mods, choices)
+  if mesh is not None:  # each device its rows and kv heads, under shard_map
+    return sharded_decode.run(
+        query, cache, mods, q_lengths, mesh=mesh, mask_mod=mask_mod, score_mod=score_mod,
+        options=dict(is_causal=is_causal, local_window_size=local_window_size, scale=scale,
+                     implementation=implementation, pages_per_step=pages_per_step,
+                     return_max_logits=return_max_logits),
+        decode_attention=decode_attention)
   dispatch.record(choices)
   # A user's function traced for this call (a jaxpr in the mods) would never hit the
   # jit's cache, so it runs in the caller's trace; otherwise an eager call compiles once.

@@ -67,7 +67,7 @@ def explicit_mesh(named_arrays: dict):
   return None if found is None else found[1]
 
 
-def _entry(spec: PartitionSpec, position: int, explicit: set):
+def entry(spec: PartitionSpec, position: int, explicit: set):
   """The Explicit mesh axes of spec at `position` (a tuple, maybe empty)."""
   entry = spec[position] if position < len(spec) else None
   if entry is None or entry is PartitionSpec.UNCONSTRAINED:
@@ -99,8 +99,8 @@ def split_of(call: Call, mesh) -> Split:
   spec = jax.typeof(call.query).sharding.spec
   lay, dims = call.layout, call.dims
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  batch = _entry(spec, lay.axis("B"), explicit) or tuple({BATCH_AXIS} & auto)
-  heads = _entry(spec, lay.axis("N"), explicit) or tuple({HEADS_AXIS} & auto)
+  batch = entry(spec, lay.axis("B"), explicit) or tuple({BATCH_AXIS} & auto)
+  heads = entry(spec, lay.axis("N"), explicit) or tuple({HEADS_AXIS} & auto)
   if dims.B % size(batch):
     batch = ()
   if dims.N % size(heads):
@@ -115,9 +115,10 @@ def split_of(call: Call, mesh) -> Split:
   return Split(batch, heads, kv_heads, size(batch), size(heads))
 
 
-# Implementations the compiler cannot partition (Pallas calls); cuDNN's has jax's own
-# partitioning rule, and the rest are jax ops.
-KERNELS = frozenset({"flex_tpu", "splash", "flex_gpu", "flex_mgpu", "flex_mgpu_ws", "pallas"})
+# Implementations the compiler cannot partition (Pallas calls), of dot_product_attention
+# and decode_attention; cuDNN's has jax's own partitioning rule, and the rest are jax ops.
+KERNELS = frozenset({"flex_tpu", "splash", "flex_gpu", "flex_mgpu", "flex_mgpu_ws", "pallas",
+                     "paged_tpu", "paged_gpu"})
 
 
 def mesh_of_kernels(choices):
@@ -133,16 +134,16 @@ def mesh_of_kernels(choices):
   return mesh
 
 
-def _place(x, spec, mesh):
+def place(x, spec, mesh):
   """x resharded to spec on the mesh's Explicit axes (shard_map places Auto ones)."""
   explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
   if not explicit:
     return x
-  spec = PartitionSpec(*((_entry(spec, i, explicit) or None) for i in range(len(spec))))
+  spec = PartitionSpec(*((entry(spec, i, explicit) or None) for i in range(len(spec))))
   return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
-def _at_global(mod, reads_b: bool, reads_n: bool, b0, n0, first: int):
+def at_global(mod, reads_b: bool, reads_n: bool, b0, n0, first: int):
   """mod called with b + b0 and n + n0 where it reads them (first: b's argument number);
   mod itself when it reads neither (a ready-made mod keeps its closed-form classes)."""
   if not (reads_b or reads_n):
@@ -158,9 +159,11 @@ def _at_global(mod, reads_b: bool, reads_n: bool, b0, n0, first: int):
   return shifted
 
 
-def _ready_made(mod) -> bool:
-  """A jattn.mods object: a pytree whose arrays can enter the shard_map as arguments."""
-  return type(mod).__module__ == "jattn._src.masks.mods"
+def ready_made(mod) -> bool:
+  """A jattn.mods object of arrays only (no user function inside, as `and_masks` may
+  hold): a pytree that can enter the shard_map as an argument."""
+  return type(mod).__module__ == "jattn._src.masks.mods" and all(
+      hasattr(x, "dtype") or isinstance(x, (int, float)) for x in jax.tree.leaves(mod))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +237,7 @@ def run(call: Call, mesh, *, implementation, dropout_rate, dropout_rng, broadcas
     traced = mods.traced()
     if traced.has_mask:
       how["mask_reads"] = (traced.mask_uses(0), traced.mask_uses(1))
-      if call.mask_mod is not None and _ready_made(call.mask_mod):
+      if call.mask_mod is not None and ready_made(call.mask_mod):
         how["mask"] = "object"
         add("mask_mod", call.mask_mod, PartitionSpec())
       else:
@@ -242,7 +245,7 @@ def run(call: Call, mesh, *, implementation, dropout_rate, dropout_rng, broadcas
         add("mask_consts", traced.mask_consts, PartitionSpec())
     if traced.has_score:
       how["score_reads"] = (traced.score_uses(1), traced.score_uses(2))
-      if _ready_made(call.score_mod):
+      if ready_made(call.score_mod):
         how["score"] = "object"
         add("score_mod", call.score_mod, PartitionSpec())
       else:
@@ -277,7 +280,7 @@ def run(call: Call, mesh, *, implementation, dropout_rate, dropout_rng, broadcas
 def _sharded(values, *, program: _Program, dot_product_attention):
   """The shard_map of one call: the arguments placed on their specs, each device's call."""
   mesh, split, options = program.mesh, program.split, dict(program.options)
-  placed = tuple(jax.tree.map(lambda x, s=s: _place(x, s, mesh), x)
+  placed = tuple(jax.tree.map(lambda x, s=s: place(x, s, mesh), x)
                  for x, s in zip(values, program.in_specs))
 
   def body(*values):
@@ -291,15 +294,15 @@ def _sharded(values, *, program: _Program, dot_product_attention):
                     for x in (key, value))
     mask_mod = score_mod = block_mask = None
     if program.mask == "object":
-      mask_mod = _at_global(a["mask_mod"], *program.mask_reads, b0, n0, first=0)
+      mask_mod = at_global(a["mask_mod"], *program.mask_reads, b0, n0, first=0)
     elif program.mask == "jaxpr":
-      mask_mod = _at_global(
+      mask_mod = at_global(
           lambda *i: jax.core.eval_jaxpr(program.mask_jaxpr, a["mask_consts"], *i)[0],
           *program.mask_reads, b0, n0, first=0)
     if program.score == "object":
-      score_mod = _at_global(a["score_mod"], *program.score_reads, b0, n0, first=1)
+      score_mod = at_global(a["score_mod"], *program.score_reads, b0, n0, first=1)
     elif program.score == "jaxpr":
-      score_mod = _at_global(
+      score_mod = at_global(
           lambda x, *i: jax.core.eval_jaxpr(program.score_jaxpr, a["score_consts"], x, *i)[0],
           *program.score_reads, b0, n0, first=1)
     if program.block_mask is not None:  # its rows and heads; the mask is passed as mask_mod
@@ -349,7 +352,7 @@ def _home(results, call: Call, mesh):
         call.return_max_logits)
   lay = call.layout
   spec = jax.typeof(call.query).sharding.spec
-  axis = {c: (_entry(spec, i, explicit) or None) for i, c in enumerate(lay.query)}
+  axis = {c: (entry(spec, i, explicit) or None) for i, c in enumerate(lay.query)}
   at = lambda letters: NamedSharding(mesh, PartitionSpec(*(axis.get(c) for c in letters)))
   results = list(results)
   out = jax.sharding.reshard(results.pop(0), at(lay.out))
