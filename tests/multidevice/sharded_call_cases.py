@@ -13,7 +13,8 @@ that differ between devices; the interpreted flex_tpu kernel; the errors;
 decode_attention over a paged cache, rows and kv heads split, on both kinds of axes.
 "all" adds a
 block mask, a query without a batch axis called eagerly (compiled once), and a call
-inside a caller's shard_map over one of the axes.
+inside a caller's shard_map over one of the axes, and Auto axes of other names (left
+to the compiler).
 
 Run by tests/multidevice/test_sharded_call.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
@@ -326,6 +327,21 @@ def decode_case(rng, explicit):
                 f"max |err| {e:.1e}")
 
 
+def other_names_case(rng):
+  """Auto axes named neither "data" nor "model": left to the compiler (no shard_map),
+  which partitions the CPU path by the inputs' shardings."""
+  mesh = jax.make_mesh((2, 4), ("rows", "heads"), axis_types=(AxisType.Auto,) * 2)
+  q = normal(rng, B, T, N, H)
+  with jax.set_mesh(mesh):
+    x = on(q, "rows", None, "heads", mesh=mesh)
+    f = jax.jit(lambda x: jattn.dot_product_attention(x, x, x, is_causal=True))
+    out = f(x)
+    left = "shard_map" not in str(jax.make_jaxpr(f)(x))
+  e = error(out, reference_attention(q, q, q, is_causal=True))
+  return report("Auto axes of other names: left to the compiler", e <= TOL and left,
+                f"no shard_map {left}; max |err| {e:.1e}")
+
+
 def raises(name, fn, *needles):
   try:
     fn()
@@ -370,7 +386,7 @@ def main():
            flex_tpu_case, errors_case, lambda rng: decode_case(rng, explicit=True),
            lambda rng: decode_case(rng, explicit=False)]
   if not QUICK:
-    cases += [block_mask_case, unbatched_eager_case, partly_manual_case]
+    cases += [block_mask_case, unbatched_eager_case, partly_manual_case, other_names_case]
   ok = True
   for case in cases:
     try:

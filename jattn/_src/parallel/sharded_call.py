@@ -123,11 +123,17 @@ KERNELS = frozenset({"flex_tpu", "splash", "flex_gpu", "flex_mgpu", "flex_mgpu_w
 
 def mesh_of_kernels(choices):
   """The mesh set by `jax.set_mesh` when a platform's choice is a Pallas kernel and the
-  mesh has devices the compiler would partition the call over; else None."""
+  mesh has an Auto "data" or "model" axis of more than one device to split the batch or
+  heads over; else None.
+
+  Without such an axis the call is left to the compiler as before: jax ops (the CPU
+  and cuDNN paths) it partitions by the inputs' shardings, which a shard_map that split
+  nothing would replace by the whole call on every device."""
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or math.prod(mesh.shape.values()) == 1:
+  if mesh.empty:
     return None
-  if all(t == AxisType.Manual for t in mesh.axis_types):  # inside a shard_map
+  auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
+  if not any(mesh.shape[a] > 1 for a in {BATCH_AXIS, HEADS_AXIS} & auto):
     return None
   if not any(c.implementation in KERNELS for c in choices):
     return None
