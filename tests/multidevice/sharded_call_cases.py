@@ -186,22 +186,27 @@ def sequence_case(rng):
 
 def dropout_case(rng):
   """Every batch row and head the same: the draws of different devices must differ
-  (one key on every device would repeat them), and a second call repeats the first."""
+  (one key on every device would repeat them), a second call repeats the first, and
+  broadcast_dropout's one draw is the same on every device."""
   row = normal(rng, 1, T, 1, H)
   q = jnp.broadcast_to(row, (B, T, N, H))
   rng_key = jax.random.key(3)
   with jax.set_mesh(MESH):
-    f = jax.jit(lambda q, key: jattn.dot_product_attention(
-        q, q, q, dropout_rate=0.5, dropout_rng=key))
+    f = jax.jit(lambda q, key, broadcast: jattn.dot_product_attention(
+        q, q, q, dropout_rate=0.5, dropout_rng=key, broadcast_dropout=broadcast),
+                static_argnums=2)
     x = on(q, "data", None, "model")
-    out, again = np.asarray(f(x, rng_key)), np.asarray(f(x, rng_key))
+    out, again = np.asarray(f(x, rng_key, False)), np.asarray(f(x, rng_key, False))
+    shared = np.asarray(f(x, rng_key, True))
   # one (batch row, head) of each device: rows 0 and 2 are on different "data" devices,
   # heads 0 and 2 on different "model" devices
   picks = [out[0, :, 0], out[2, :, 0], out[0, :, 2], out[2, :, 2]]
   distinct = all(not np.allclose(a, b) for i, a in enumerate(picks) for b in picks[:i])
-  ok = distinct and np.array_equal(out, again)
-  return report("dropout: devices draw apart, a call repeats", ok,
-                f"distinct across devices {distinct}, repeatable {np.array_equal(out, again)}")
+  broadcast = np.allclose(shared, shared[:1, :, :1])  # every row and head as the first
+  ok = distinct and np.array_equal(out, again) and broadcast
+  return report("dropout: devices draw apart, a call repeats, broadcast shares", ok,
+                f"distinct across devices {distinct}, repeatable "
+                f"{np.array_equal(out, again)}, broadcast one draw {broadcast}")
 
 
 def flex_tpu_case(rng):

@@ -24,7 +24,8 @@ ordinary call on its share:
           with b + first row, n + first head; the arrays they close over are
           replicated; sinks and a block mask are split with the heads and rows;
   dropout one draw per device, its key folded with the device's place on the
-          batch and head axes, so devices do not repeat each other's draw.
+          batch and head axes, so devices do not repeat each other's draw (with
+          broadcast_dropout, the one draw every row and head shares).
 
 On Explicit axes the output keeps the query's sharding (D unsharded), the lse and
 max logits the query's without H, as jax.nn's do.
@@ -69,10 +70,10 @@ def explicit_mesh(named_arrays: dict):
 
 def entry(spec: PartitionSpec, position: int, explicit: set):
   """The Explicit mesh axes of spec at `position` (a tuple, maybe empty)."""
-  entry = spec[position] if position < len(spec) else None
-  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+  axes = spec[position] if position < len(spec) else None
+  if axes is None or axes is PartitionSpec.UNCONSTRAINED:
     return ()
-  return tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in explicit)
+  return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in explicit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,8 @@ class Split:
 
   batch: tuple
   heads: tuple
-  kv_heads: str  # "split" (K with N, or neither split), "one" (each device the kv head
-  # its query heads share)
+  # "split": K with N (or neither split); "one": each device the kv head its heads share
+  kv_heads: str
   batch_devices: int
   head_devices: int
 
@@ -318,9 +319,10 @@ def _sharded(values, *, program: _Program, dot_product_attention):
           B=None if made.B is None else program.B_local,
           N=None if made.N is None else program.N_local)
     rng = a.get("dropout_rng")
-    if rng is not None and (split.batch or split.heads):
+    if rng is not None and (split.batch or split.heads) and not options["broadcast_dropout"]:
       # the device's place on the batch and head axes: without it every device would
-      # drop the same entries of its share
+      # drop the same entries of its share (which broadcast dropout wants: one draw for
+      # every row and head)
       rng = jax.random.fold_in(rng, jax.lax.axis_index(split.batch + split.heads))
     q_ids = a.get("q_ids")
     flags = {k: v for k, v in options.items() if k not in ("same_segment_ids", "scale")}
