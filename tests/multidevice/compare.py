@@ -1,5 +1,6 @@
-"""One check for the 8-device scripts: a ring function against a single-device
-reference, values and gradients with respect to every argument."""
+"""The checks of the 8-device scripts: a ring function against a single-device
+reference, values and gradients with respect to every argument; one line per check
+(`report`); a call that must raise (`raises`)."""
 
 import os
 import sys
@@ -44,3 +45,18 @@ def check(name, ring_fn, ref_fn, arrays, *, tol, relative=False, eager=False) ->
   if not ok and os.environ.get("JATTN_FAIL_FAST"):
     sys.exit(1)
   return ok
+
+
+def report(name, ok, detail) -> bool:
+  """Prints "ok  name: detail" or "FAIL name: detail"; returns ok."""
+  print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+  return ok
+
+
+def raises(name, fn, *needles, kinds=(ValueError,)) -> bool:
+  """fn() must raise one of `kinds` whose message holds every needle."""
+  try:
+    fn()
+  except kinds as e:
+    return report(name, all(n in str(e) for n in needles), f"{type(e).__name__}: {e}")
+  return report(name, False, "raised nothing")

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jattn
+from tests.multidevice.compare import raises, report
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from reference_grads import reference_vjp  # noqa: E402
@@ -29,11 +30,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 TOL = 2e-5  # float32 against float64, relative to the largest entry (at least 1)
 B, T, N, K, H = 2, 16, 4, 2, 8
 LENGTHS = np.array([13, 6], np.int32)
-
-
-def report(name, ok, detail):
-  print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
-  return ok
 
 
 def check(name, fn, arrays, d_out, *, is_causal, spec=None, ids=None):
@@ -54,14 +50,6 @@ def check(name, fn, arrays, d_out, *, is_causal, spec=None, ids=None):
   return report(name, ok,
                 f"out sharding {jax.typeof(out).sharding.spec}; max |err| out, dq, dk, dv = "
                 + ", ".join(f"{e:.1e}" for e in errors))
-
-
-def raises(name, fn, *needles):
-  try:
-    fn()
-  except ValueError as e:
-    return report(name, all(n in str(e) for n in needles), str(e))
-  return report(name, False, "raised nothing")
 
 
 def main():

@@ -11,13 +11,18 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
+def axes_of(mesh, kind: AxisType) -> set:
+  """The names of the mesh's axes of `kind` (Explicit, Auto or Manual)."""
+  return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == kind}
+
+
 def explicit_axes(x) -> tuple:
   """(mesh, the Explicit axes x's type is sharded over, in spec order); (None, ()) if none."""
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or mesh.empty:
     return None, ()
-  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  explicit = axes_of(mesh, AxisType.Explicit)
   used = tuple(a for entry in sharding.spec
                if entry is not None and entry is not PartitionSpec.UNCONSTRAINED
                for a in ((entry,) if isinstance(entry, str) else entry) if a in explicit)

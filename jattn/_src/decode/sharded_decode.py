@@ -21,9 +21,10 @@ import dataclasses
 import math
 
 import jax
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from jattn._src.parallel import sharded_call
+from jattn._src.parallel.mesh import placed
 
 __all__ = ["mesh_for", "run"]
 
@@ -35,14 +36,10 @@ def mesh_for(query, cache, mods, choices):
 
 
 def _split(query, K: int, mesh):
-  """(batch axes, head axes): the query's on Explicit axes, else "data" and "model"."""
-  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-  auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
-  spec = jax.typeof(query).sharding.spec
+  """(batch axes, head axes), kept where B, and N with K, divide over them."""
+  batch, heads = sharded_call.query_axes(query, 0, 2, mesh)
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
   B, _, N, _ = query.shape
-  batch = sharded_call.entry(spec, 0, explicit) or tuple({sharded_call.BATCH_AXIS} & auto)
-  heads = sharded_call.entry(spec, 2, explicit) or tuple({sharded_call.HEADS_AXIS} & auto)
   if B % size(batch):
     batch = ()
   if N % size(heads) or K % size(heads):
@@ -68,18 +65,10 @@ def run(query, cache, mods, q_lengths, *, mesh, mask_mod, score_mod, options,
           "q_lengths": (jax.numpy.asarray(q_lengths), PartitionSpec(rows))}
   if not isinstance(options["scale"], (int, float)):
     args["scale"] = (options["scale"], PartitionSpec())
-  traced = None if mods is None else mods.traced()
+  traced, how = None if mods is None else mods.traced(), {}
   if traced is not None:
-    if traced.has_mask:
-      if mask_mod is not None and sharded_call.ready_made(mask_mod):
-        args["mask_mod"] = (mask_mod, PartitionSpec())
-      else:
-        args["mask_consts"] = (traced.mask_consts, PartitionSpec())
-    if traced.has_score:
-      if sharded_call.ready_made(score_mod):
-        args["score_mod"] = (score_mod, PartitionSpec())
-      else:
-        args["score_consts"] = (traced.score_consts, PartitionSpec())
+    mod_args, how = sharded_call.mod_arguments(traced, mask_mod, score_mod)
+    args.update((name, (x, PartitionSpec())) for name, x in mod_args.items())
     if traced.sinks is not None:
       args["sinks"] = (traced.sinks, PartitionSpec(kv))
   names = tuple(args)
@@ -87,9 +76,9 @@ def run(query, cache, mods, q_lengths, *, mesh, mask_mod, score_mod, options,
 
   def place(value, spec):
     if isinstance(spec, PartitionSpec):  # one spec for every array of the value
-      return jax.tree.map(lambda x: sharded_call.place(x, spec, mesh), value)
+      return jax.tree.map(lambda x: placed(x, spec, mesh), value)
     return type(value)(**{  # the cache, field by field
-        f.name: None if getattr(value, f.name) is None else sharded_call.place(
+        f.name: None if getattr(value, f.name) is None else placed(
             getattr(value, f.name), getattr(spec, f.name), mesh)
         for f in dataclasses.fields(value)})
 
@@ -99,17 +88,7 @@ def run(query, cache, mods, q_lengths, *, mesh, mask_mod, score_mod, options,
     a = dict(zip(names, values))
     b0 = (jax.lax.axis_index(batch) * B_local) if batch else 0
     n0 = (jax.lax.axis_index(heads) * N_local) if heads else 0
-    local_mask = local_score = None
-    if traced is not None and traced.has_mask:
-      reads = (traced.mask_uses(0), traced.mask_uses(1))
-      fn = a["mask_mod"] if "mask_mod" in a else (
-          lambda *i: jax.core.eval_jaxpr(traced.mask_jaxpr, a["mask_consts"], *i)[0])
-      local_mask = sharded_call.at_global(fn, *reads, b0, n0, first=0)
-    if traced is not None and traced.has_score:
-      reads = (traced.score_uses(1), traced.score_uses(2))
-      fn = a["score_mod"] if "score_mod" in a else (
-          lambda x, *i: jax.core.eval_jaxpr(traced.score_jaxpr, a["score_consts"], x, *i)[0])
-      local_score = sharded_call.at_global(fn, *reads, b0, n0, first=1)
+    local_mask, local_score = sharded_call.local_mods(how, a, b0, n0)
     local = dict(options, scale=a.get("scale", options["scale"]))
     got = decode_attention(a["query"], a["cache"], query_lengths=a["q_lengths"],
                            mask_mod=local_mask, score_mod=local_score, sinks=a.get("sinks"),
@@ -117,7 +96,6 @@ def run(query, cache, mods, q_lengths, *, mesh, mask_mod, score_mod, options,
     return got if isinstance(got, tuple) else (got,)
 
   out_specs = (PartitionSpec(rows, None, kv),) * (1 + options["return_max_logits"])
-  axes = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
   got = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                      axis_names=axes, check_vma=False)(*values)
+                      axis_names=sharded_call.unmanual(mesh), check_vma=False)(*values)
   return got if options["return_max_logits"] else got[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jattn._src.core.explicit_axes import axes_of
 from jattn._src.core.layout import Layout
 
 
@@ -56,20 +57,21 @@ def place(args, in_specs, mesh):
   the caller's sharding (none, the sequence, batch or heads), reshard. Auto
   axes are left to shard_map, which places the arrays itself.
   """
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == AxisType.Explicit}
   for arg, name in zip(args, _ARG_NAMES):
     for x in jax.tree.leaves(arg):
       check_placement(name, x, mesh)
-  if not explicit:
-    return args
-
-  def place(x, spec):
-    spec = PartitionSpec(*(_only(a, explicit) for a in spec))
-    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-
-  return tuple(jax.tree.map(lambda x, spec=spec: place(x, spec), arg)
+  return tuple(jax.tree.map(lambda x, spec=spec: placed(x, spec, mesh), arg)
                for arg, spec in zip(args, in_specs))
+
+
+def placed(x, spec: PartitionSpec, mesh):
+  """x resharded to spec on the mesh's Explicit axes; x itself on a mesh without them
+  (shard_map places arrays on Auto axes itself)."""
+  explicit = axes_of(mesh, AxisType.Explicit)
+  if not explicit:
+    return x
+  spec = PartitionSpec(*(_only(a, explicit) for a in spec))
+  return jax.sharding.reshard(x, NamedSharding(mesh, spec))
 
 
 def home(query, layout: Layout, mesh):
@@ -80,8 +82,7 @@ def home(query, layout: Layout, mesh):
   per-row results (lse, max logits) as the query without H. Auto axes are left to
   the compiler.
   """
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == AxisType.Explicit}
+  explicit = axes_of(mesh, AxisType.Explicit)
   if not explicit:
     return lambda out, *rows: (out, *rows)
   check_placement("query", query, mesh)
@@ -92,6 +93,13 @@ def home(query, layout: Layout, mesh):
   rows = layout.query.replace("H", "")
   return lambda out, *per_row: (jax.sharding.reshard(out, at(layout.out)),
                                 *(jax.sharding.reshard(x, at(rows)) for x in per_row))
+
+
+def axes_at(spec: PartitionSpec, position: int, axes) -> tuple:
+  """The mesh axes among `axes` that spec shards its array axis `position` over (a
+  tuple, empty when none; a spec may be shorter than the rank)."""
+  kept = _only(spec[position] if position < len(spec) else None, axes)
+  return () if kept is None else (kept,) if isinstance(kept, str) else kept
 
 
 def _only(entry, axes):
@@ -125,7 +133,4 @@ def local_dims(dims, mesh, batch_axis_name, head_axis_name) -> dict:
 
 def replicated(x, mesh):
   """x replicated on the mesh's Explicit axes (for a table every device computes whole)."""
-  explicit = any(kind == AxisType.Explicit for kind in mesh.axis_types)
-  if x is None or not explicit:
-    return x
-  return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+  return None if x is None else placed(x, PartitionSpec(), mesh)

@@ -38,13 +38,15 @@ import functools
 import math
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
 
 from jattn._src.call import Call
-from jattn._src.core.explicit_axes import explicit_axes
+from jattn._src.core.explicit_axes import axes_of, explicit_axes
 from jattn._src.core.layout import Layout
+from jattn._src.parallel.mesh import axes_at, home, placed
 
-__all__ = ["explicit_mesh", "mesh_of_kernels", "run"]
+__all__ = ["explicit_mesh", "local_mods", "mesh_of_kernels", "mod_arguments", "query_axes", "run",
+           "unmanual"]
 
 # jattn's mesh axis names (`jattn.sharding`): the batch and the heads
 BATCH_AXIS, HEADS_AXIS = "data", "model"
@@ -68,14 +70,6 @@ def explicit_mesh(named_arrays: dict):
   return None if found is None else found[1]
 
 
-def entry(spec: PartitionSpec, position: int, explicit: set):
-  """The Explicit mesh axes of spec at `position` (a tuple, maybe empty)."""
-  axes = spec[position] if position < len(spec) else None
-  if axes is None or axes is PartitionSpec.UNCONSTRAINED:
-    return ()
-  return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in explicit)
-
-
 @dataclasses.dataclass(frozen=True)
 class Split:
   """How the batch and heads are split: mesh axes (tuples, maybe empty) and devices."""
@@ -92,16 +86,21 @@ class Split:
     return PartitionSpec(*((axis.get(c) or None) for c in letters))
 
 
+def query_axes(query, batch_axis: int, head_axis: int, mesh) -> tuple:
+  """(batch, heads): the mesh axes the query's type shards its batch and head axes over
+  (Explicit), else the mesh's Auto "data" and "model" axes, as tuples (maybe empty)."""
+  explicit, auto = axes_of(mesh, AxisType.Explicit), axes_of(mesh, AxisType.Auto)
+  spec = jax.typeof(query).sharding.spec
+  return (axes_at(spec, batch_axis, explicit) or tuple({BATCH_AXIS} & auto),
+          axes_at(spec, head_axis, explicit) or tuple({HEADS_AXIS} & auto))
+
+
 def split_of(call: Call, mesh) -> Split:
   """The query's batch and head sharding on the mesh's Explicit axes, else the mesh's
   Auto "data" and "model" axes; kept where the sizes divide over it."""
-  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-  auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
-  spec = jax.typeof(call.query).sharding.spec
   lay, dims = call.layout, call.dims
+  batch, heads = query_axes(call.query, lay.axis("B"), lay.axis("N"), mesh)
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  batch = entry(spec, lay.axis("B"), explicit) or tuple({BATCH_AXIS} & auto)
-  heads = entry(spec, lay.axis("N"), explicit) or tuple({HEADS_AXIS} & auto)
   if dims.B % size(batch):
     batch = ()
   if dims.N % size(heads):
@@ -133,7 +132,7 @@ def mesh_of_kernels(choices):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return None
-  auto = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Auto}
+  auto = axes_of(mesh, AxisType.Auto)
   if not any(mesh.shape[a] > 1 for a in {BATCH_AXIS, HEADS_AXIS} & auto):
     return None
   if not any(c.implementation in KERNELS for c in choices):
@@ -141,13 +140,9 @@ def mesh_of_kernels(choices):
   return mesh
 
 
-def place(x, spec, mesh):
-  """x resharded to spec on the mesh's Explicit axes (shard_map places Auto ones)."""
-  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-  if not explicit:
-    return x
-  spec = PartitionSpec(*((entry(spec, i, explicit) or None) for i in range(len(spec))))
-  return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+def unmanual(mesh) -> set:
+  """The axes a shard_map of ours maps: all but those a caller's shard_map made manual."""
+  return set(mesh.axis_names) - axes_of(mesh, AxisType.Manual)
 
 
 def at_global(mod, reads_b: bool, reads_n: bool, b0, n0, first: int):
@@ -173,6 +168,44 @@ def ready_made(mod) -> bool:
       hasattr(x, "dtype") or isinstance(x, (int, float)) for x in jax.tree.leaves(mod))
 
 
+def mod_arguments(traced, mask_mod, score_mod) -> tuple[dict, dict]:
+  """The mods of one call for a shard_map: (name -> what enters it as an argument, each
+  replicated; how each device calls the mods, static: `local_mods` reads it).
+
+  traced: the call's `Mods.traced()`; mask_mod, score_mod: the caller's. A ready-made mod
+  enters as itself (its arrays are its leaves); a user's function as its traced jaxpr
+  (static) and the arrays it closes over."""
+  args, how = {}, {}
+  for kind, mod, jaxpr, consts, uses, b in (
+      ("mask", mask_mod, traced.mask_jaxpr, traced.mask_consts, traced.mask_uses, 0),
+      ("score", score_mod, traced.score_jaxpr, traced.score_consts, traced.score_uses, 1)):
+    if jaxpr is None:  # no such mod (traced: a ready-made mask has its jaxpr too)
+      continue
+    how[f"{kind}_reads"] = (uses(b), uses(b + 1))  # b, n
+    if mod is not None and ready_made(mod):
+      how[kind] = "object"
+      args[f"{kind}_mod"] = mod
+    else:
+      how.update({kind: "jaxpr", f"{kind}_jaxpr": jaxpr})
+      args[f"{kind}_consts"] = consts
+  return args, how
+
+
+def local_mods(how: dict, arguments: dict, b0, n0) -> tuple:
+  """(mask_mod, score_mod) of one device inside the shard_map, called at global (b, n):
+  `how` and the arguments from `mod_arguments` (None where the call has none)."""
+  def local(kind, first):
+    if kind not in how:
+      return None
+    if how[kind] == "object":
+      mod = arguments[f"{kind}_mod"]
+    else:
+      jaxpr, consts = how[f"{kind}_jaxpr"], arguments[f"{kind}_consts"]
+      mod = lambda *i: jax.core.eval_jaxpr(jaxpr, consts, *i)[0]
+    return at_global(mod, *how[f"{kind}_reads"], b0, n0, first=first)
+  return local("mask", 0), local("score", 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Program:
   """The static part of one call, the jit's key: the mesh and split, the arguments'
@@ -187,17 +220,15 @@ class _Program:
   N_local: int
   G: int
   options: tuple  # (name, value) of the flags dot_product_attention takes on each device
-  mask: str | None = None  # "object": the ready-made mod, an argument; "jaxpr": traced here
-  mask_reads: tuple = (False, False)  # (b, n)
-  score: str | None = None
-  score_reads: tuple = (False, False)
-  mask_jaxpr: object = None  # a user's function, traced: no cache across calls
-  score_jaxpr: object = None
+  mods: tuple = ()  # (name, value) of `mod_arguments`' how; a user's function as a jaxpr
   block_mask: object = None  # the caller's, for its static fields
 
   @property
   def cacheable(self) -> bool:
-    return self.mask_jaxpr is None and self.score_jaxpr is None and self.block_mask is None
+    """Whether a new call can hit the jit's cache: no jaxpr of a user's function (traced
+    per call), no block mask."""
+    return all(not name.endswith("_jaxpr") for name, _ in self.mods) and (
+        self.block_mask is None)
 
 
 def run(call: Call, mesh, *, implementation, dropout_rate, dropout_rng, broadcast_dropout,
@@ -242,26 +273,14 @@ def run(call: Call, mesh, *, implementation, dropout_rate, dropout_rng, broadcas
   how = {}
   if mods is not None:
     traced = mods.traced()
-    if traced.has_mask:
-      how["mask_reads"] = (traced.mask_uses(0), traced.mask_uses(1))
-      if call.mask_mod is not None and ready_made(call.mask_mod):
-        how["mask"] = "object"
-        add("mask_mod", call.mask_mod, PartitionSpec())
-      else:
-        how.update(mask="jaxpr", mask_jaxpr=traced.mask_jaxpr)
-        add("mask_consts", traced.mask_consts, PartitionSpec())
-    if traced.has_score:
-      how["score_reads"] = (traced.score_uses(1), traced.score_uses(2))
-      if ready_made(call.score_mod):
-        how["score"] = "object"
-        add("score_mod", call.score_mod, PartitionSpec())
-      else:
-        how.update(score="jaxpr", score_jaxpr=traced.score_jaxpr)
-        add("score_consts", traced.score_consts, PartitionSpec())
+    mod_args, how = mod_arguments(traced, call.mask_mod, call.score_mod)
+    for name, x in mod_args.items():
+      add(name, x, PartitionSpec())
     add("sinks", traced.sinks, spec("N"))
     if traced.block_mask is not None:
-      made = how["block_mask"] = traced.block_mask
-      add("block_classes", made.classes, batch_heads(made.B is not None, made.N is not None))
+      block_mask = traced.block_mask
+      add("block_classes", block_mask.classes,
+          batch_heads(block_mask.B is not None, block_mask.N is not None))
 
   names = tuple(args)
   options = dict(is_causal=call.is_causal, local_window_size=call.window,
@@ -274,20 +293,24 @@ def run(call: Call, mesh, *, implementation, dropout_rate, dropout_rng, broadcas
                      in_specs=tuple(specs[n] for n in names), layout=lay.query,
                      B_local=dims.B // split.batch_devices,
                      N_local=dims.N // split.head_devices, G=dims.N // dims.K,
-                     options=tuple(options.items()), **how)
+                     options=tuple(options.items()), mods=tuple(how.items()),
+                     block_mask=None if mods is None else mods.block_mask)
   # a user's traced function would never hit the jit's cache (and fill it): it runs in
   # the caller's trace; ready-made mods and plain calls compile once
   sharded = _sharded if program.cacheable else _sharded.__wrapped__
-  results = sharded(tuple(args[n] for n in names), program=program,
-                    dot_product_attention=dot_product_attention)
-  return _home(results, call, mesh)
+  out, *results = sharded(tuple(args[n] for n in names), program=program,
+                          dot_product_attention=dot_product_attention)
+  weights = results.pop(0) if call.return_weights else None
+  out, *rows = home(call.query, lay, mesh)(out, *results)
+  take = lambda asked: rows.pop(0) if asked else None
+  return out, weights, take(call.return_residual), take(call.return_max_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("program", "dot_product_attention"))
 def _sharded(values, *, program: _Program, dot_product_attention):
   """The shard_map of one call: the arguments placed on their specs, each device's call."""
   mesh, split, options = program.mesh, program.split, dict(program.options)
-  placed = tuple(jax.tree.map(lambda x, s=s: place(x, s, mesh), x)
+  values = tuple(jax.tree.map(lambda x, s=s: placed(x, s, mesh), x)
                  for x, s in zip(values, program.in_specs))
 
   def body(*values):
@@ -299,19 +322,8 @@ def _sharded(values, *, program: _Program, dot_product_attention):
       axis = Layout(program.layout).axis("K")
       key, value = (jax.lax.dynamic_slice_in_dim(x, n0 // program.G, 1, axis=axis)
                     for x in (key, value))
-    mask_mod = score_mod = block_mask = None
-    if program.mask == "object":
-      mask_mod = at_global(a["mask_mod"], *program.mask_reads, b0, n0, first=0)
-    elif program.mask == "jaxpr":
-      mask_mod = at_global(
-          lambda *i: jax.core.eval_jaxpr(program.mask_jaxpr, a["mask_consts"], *i)[0],
-          *program.mask_reads, b0, n0, first=0)
-    if program.score == "object":
-      score_mod = at_global(a["score_mod"], *program.score_reads, b0, n0, first=1)
-    elif program.score == "jaxpr":
-      score_mod = at_global(
-          lambda x, *i: jax.core.eval_jaxpr(program.score_jaxpr, a["score_consts"], x, *i)[0],
-          *program.score_reads, b0, n0, first=1)
+    mask_mod, score_mod = local_mods(dict(program.mods), a, b0, n0)
+    block_mask = None
     if program.block_mask is not None:  # its rows and heads; the mask is passed as mask_mod
       made = program.block_mask
       block_mask = dataclasses.replace(
@@ -340,32 +352,9 @@ def _sharded(values, *, program: _Program, dot_product_attention):
   out_specs = ((spec(Layout(program.layout).out),) + (spec("BNTS"),) * options["return_weights"]
                + (spec(rows),) * (options["return_residual"] + options["return_max_logits"]))
   # axes a caller's shard_map already made manual stay so
-  axes = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual}
   return jax.shard_map(body, mesh=mesh, in_specs=program.in_specs, out_specs=out_specs,
-                       axis_names=axes,
+                       axis_names=unmanual(mesh),
                        # the blockwise loops start their accumulators from constants,
                        # which the varying-manual-axes check would reject as carries
-                       check_vma=False)(*placed)
+                       check_vma=False)(*values)
 
-
-def _home(results, call: Call, mesh):
-  """(out, weights, lse, max logits), out with the query's sharding (D unsharded), the
-  rows with the query's without H, as jax.nn's."""
-  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
-  if not explicit:  # Auto axes: left to the compiler
-    results = list(results)
-    take = lambda asked: results.pop(0) if asked else None
-    out = results.pop(0)
-    return out, take(call.return_weights), take(call.return_residual), take(
-        call.return_max_logits)
-  lay = call.layout
-  spec = jax.typeof(call.query).sharding.spec
-  axis = {c: (entry(spec, i, explicit) or None) for i, c in enumerate(lay.query)}
-  at = lambda letters: NamedSharding(mesh, PartitionSpec(*(axis.get(c) for c in letters)))
-  results = list(results)
-  out = jax.sharding.reshard(results.pop(0), at(lay.out))
-  weights = results.pop(0) if call.return_weights else None
-  rows = lay.query.replace("H", "")
-  lse = jax.sharding.reshard(results.pop(0), at(rows)) if call.return_residual else None
-  top = jax.sharding.reshard(results.pop(0), at(rows)) if call.return_max_logits else None
-  return out, weights, lse, top
