@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jattn._src.core.explicit_axes import explicit_sharding
 
 DEFAULT_BASE = 10_000.0
 
@@ -67,5 +70,9 @@ def rope_heads(x: jax.Array, positions: jax.Array, *, layout: str,
   if layout == "columns":
     one = lambda x, p: rope(x.T, p, base=base).T  # noqa: E731  [H, T] <-> [T, H]
   heads_axis, batch_axis = _HEADS_AXES[layout]
+  sharding = explicit_sharding(x)
+  if sharding is not None:  # Explicit axes: vmap pairs rows only of arrays sharded alike
+    positions = jax.sharding.reshard(
+        positions, NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[batch_axis], None)))
   per_example = jax.vmap(one, in_axes=(heads_axis - 1, None), out_axes=heads_axis - 1)
   return jax.vmap(per_example, in_axes=(batch_axis, 0), out_axes=batch_axis)(x, positions)

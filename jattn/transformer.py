@@ -20,6 +20,7 @@ from flax import nnx
 
 import jattn.nnx
 from jattn import mods
+from jattn._src.core.explicit_axes import explicit_sharding
 from jattn.rope import DEFAULT_BASE, rope_heads
 
 POSITION_ENCODINGS = ("learned", "rope", "none")
@@ -140,7 +141,21 @@ class MLP(nnx.Module):
   def __call__(self, x):
     bias = (lambda b: b) if self.layout == "rows" else (lambda b: b[:, None])
     h = jax.nn.gelu(jnp.einsum(_MLP_IN[self.layout], x, self.w_in[...]) + bias(self.b_in[...]))
-    return jnp.einsum(_MLP_OUT[self.layout], h, self.w_out[...]) + bias(self.b_out[...])
+    # on Explicit axes with E sharded (jattn.sharding) the contraction over E has no
+    # sharding jax can infer: the output is laid out as x
+    return (jnp.einsum(_MLP_OUT[self.layout], h, self.w_out[...],
+                       out_sharding=explicit_sharding(x)) + bias(self.b_out[...]))
+
+
+def _lookup(embed: nnx.Embed, ids):
+  """ids int [B, T] -> embed's rows [B, T, F]. On Explicit axes the rows are laid out as
+  the ids (jax cannot infer a gather's sharding from sharded indices)."""
+  sharding = explicit_sharding(ids, new_axes=1)
+  if sharding is None:
+    return embed(ids)
+  table = embed.embedding[...]  # [V, F]
+  table = table if embed.dtype is None else table.astype(embed.dtype)
+  return table.at[ids].get(mode="fill", out_sharding=sharding)  # as jnp.take, Embed's lookup
 
 
 def _norm(config: TransformerConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
@@ -199,6 +214,9 @@ class Block(nnx.Module):
     self.logit_soft_cap = config.logit_soft_cap
 
   def __call__(self, x, **attention_kwargs):
+    sharding = explicit_sharding(x)
+    if sharding is not None:  # Explicit axes: the output projection contracts sharded N
+      attention_kwargs.setdefault("out_sharding", sharding)
     attended = self.attention(self.attention_norm(x), is_causal=True,
                               **layer_mods(self.window, self.logit_soft_cap),
                               **attention_kwargs)
@@ -294,7 +312,7 @@ class Transformer(nnx.Module):
                else attention.cache_index[...])  # [B]; flax's modules have no paged cache
     else:
       start = jnp.zeros((B,), jnp.int32)
-    x = self.token_embed(tokens)  # [B, T, F]
+    x = _lookup(self.token_embed, tokens)  # [B, T, F]
     if self.previous_embed is not None:
       x = x + self._previous(tokens, start, decode, lengths)
     if self.position_embed is not None:  # learned; rope acts inside the attention
@@ -319,14 +337,15 @@ class Transformer(nnx.Module):
     """[B, T, F]: the embedding of each token's predecessor (zeros at position 0);
     with decode=True the first one is the last token cached for its row."""
     B, T = tokens.shape
-    first = self.last_token[...] if decode else jnp.zeros((B,), tokens.dtype)  # [B]
+    # (zeros_like: on Explicit axes sharded as the tokens' rows, as concatenate needs)
+    first = self.last_token[...] if decode else jnp.zeros_like(tokens[:, 0])  # [B]
     previous = jnp.concatenate([first[:, None], tokens[:, :-1]], axis=1)  # [B, T]
     has_previous = (start[:, None] + jnp.arange(T)[None, :]) > 0  # [B, T]
     if decode:
       n = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
       last = jnp.take_along_axis(tokens, jnp.clip(n - 1, 0, T - 1)[:, None], axis=1)[:, 0]
       self.last_token[...] = jnp.where(n > 0, last, first)
-    return jnp.where(has_previous[:, :, None], self.previous_embed(previous), 0.0)
+    return jnp.where(has_previous[:, :, None], _lookup(self.previous_embed, previous), 0.0)
 
   def generate(self, prompts, prompt_lengths, max_new_tokens: int, rng, *,
                temperature: float = 1.0, eos_id: int | None = None, page_size: int = 16,

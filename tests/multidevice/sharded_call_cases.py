@@ -10,11 +10,11 @@ sharding must change nothing).
 both kinds of axes; grouped heads (K = 2 over 4 devices) with a bias and ALiBi,
 blockwise; the sequence sharded (gathered) with a window and documents; dropout draws
 that differ between devices; the interpreted flex_tpu kernel; the errors;
-decode_attention over a paged cache, rows and kv heads split, on both kinds of axes.
-"all" adds a
+decode_attention over a paged cache, rows and kv heads split, on both kinds of axes;
+the Transformer's training step on Explicit axes (rows, rotary positions). "all" adds a
 block mask, a query without a batch axis called eagerly (compiled once), and a call
 inside a caller's shard_map over one of the axes, and Auto axes of other names (left
-to the compiler).
+to the compiler), and the Transformer in columns with learned positions.
 
 Run by tests/multidevice/test_sharded_call.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
@@ -328,6 +328,47 @@ def decode_case(rng, explicit):
                 f"max |err| {e:.1e}")
 
 
+def transformer_case(rng, layout="rows", position_encoding="rope"):
+  """The Transformer's training step (loss and gradients of every parameter) on Explicit
+  axes: parameters sharded by jattn.sharding (heads and the MLP's hidden units over
+  "model"), tokens over "data"; against the same step on one device. The embedding
+  lookups, the attention's and the MLP's output projections (contractions over a
+  sharded N or E) say their output sharding; the logits come back batch-sharded."""
+  import optax
+  from flax import nnx
+  import jattn.transformer as tr
+  config = tr.TransformerConfig(
+      vocab_size=32, max_len=T, num_layers=1, features=32, num_heads=N, num_kv_heads=4,
+      mlp_features=64, layout=layout, position_encoding=position_encoding,
+      previous_token_embedding=True, sinks=True, logit_soft_cap=20.0)
+  graphdef, params = nnx.split(tr.Transformer(config, rngs=nnx.Rngs(0)), nnx.Param)
+  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (B, T)), jnp.int32)
+
+  def loss_and_grads(params, tokens):
+    def loss(params):
+      logits = nnx.merge(graphdef, params)(tokens[:, :-1])  # [B, T - 1, V]
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
+    (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return value, logits, grads
+
+  with jax.set_mesh(MESH):
+    sharded = jax.device_put(params, jattn.sharding.state_shardings(params, MESH))
+    x = on(tokens, "data", None)
+    value, logits, grads = jax.jit(loss_and_grads)(sharded, x)
+    program = str(jax.make_jaxpr(loss_and_grads)(sharded, x))
+  want_value, want_logits, want_grads = jax.jit(loss_and_grads)(params, tokens)
+  errors = [error(value, want_value), error(logits, want_logits)]
+  errors.append(max(error(g, w) for g, w in zip(jax.tree.leaves(grads),
+                                                jax.tree.leaves(want_grads))))
+  split = "shard_map" in program
+  kernel = sharded["blocks"][0]["attention"]["query"]["kernel"][...]
+  ok = (max(errors) <= TOL and split and spec_of(logits) == ("data", None, None)
+        and spec_of(kernel) == (None, "model", None))
+  return report(f"Transformer train step on Explicit axes ({layout}, {position_encoding})", ok,
+                f"logits {spec_of(logits)}, attention under shard_map {split}; max |err| "
+                f"loss, logits, grads = " + ", ".join(f"{e:.1e}" for e in errors))
+
+
 def other_names_case(rng):
   """Auto axes named neither "data" nor "model": left to the compiler (no shard_map),
   which partitions the CPU path by the inputs' shardings."""
@@ -376,9 +417,10 @@ def main():
   rng = np.random.default_rng(0)
   cases = [mods_case, auto_case, grouped_heads_case, sequence_case, dropout_case,
            flex_tpu_case, errors_case, lambda rng: decode_case(rng, explicit=True),
-           lambda rng: decode_case(rng, explicit=False)]
+           lambda rng: decode_case(rng, explicit=False), transformer_case]
   if not QUICK:
-    cases += [block_mask_case, unbatched_eager_case, partly_manual_case, other_names_case]
+    cases += [block_mask_case, unbatched_eager_case, partly_manual_case, other_names_case,
+              lambda rng: transformer_case(rng, "columns", "learned")]
   ok = True
   for case in cases:
     try:

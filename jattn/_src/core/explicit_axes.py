@@ -8,6 +8,7 @@ array outside any mesh has none.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
@@ -27,6 +28,19 @@ def explicit_axes(x) -> tuple:
                if entry is not None and entry is not PartitionSpec.UNCONSTRAINED
                for a in ((entry,) if isinstance(entry, str) else entry) if a in explicit)
   return mesh, used
+
+
+def explicit_sharding(x, new_axes: int = 0):
+  """x's sharding, with `new_axes` unsharded axes appended, as the out_sharding of an op
+  whose result is laid out as x (plus new trailing axes); None when x is sharded over no
+  Explicit axis, where jax infers the result's sharding itself. For ops jax cannot infer
+  it for on Explicit axes: a contraction over a sharded axis, a gather by sharded ids."""
+  mesh, used = explicit_axes(x)
+  if not used:
+    return None
+  spec = tuple(jax.typeof(x).sharding.spec)
+  spec += (None,) * (jnp.ndim(x) - len(spec) + new_axes)  # a spec may leave trailing axes out
+  return NamedSharding(mesh, PartitionSpec(*spec))
 
 
 def unsharded(x):
