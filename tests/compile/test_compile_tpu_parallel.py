@@ -128,15 +128,17 @@ def _compile_transformer_step(mesh, batch: int, **config):
   return deviceless.compile_for(SLICE, jax.value_and_grad(loss), params, tokens, mesh=mesh)
 
 
-def test_transformer_train_step_compiles_on_a_data_model_mesh_of_auto_axes():
-  """The Transformer's loss and gradient as examples/training.py runs it on a 2x2 v5e:
-  Auto axes ("data", "model") = (2, 2), parameters and batch sharded by jattn.sharding,
-  the default implementation. The compiler cannot partition a Mosaic kernel (before:
-  "Mosaic kernels cannot be automatically partitioned. Please wrap the call in a
-  shard_map"), so each chip runs flex_tpu on its rows and heads, and nothing gathers
-  the activations for attention."""
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_transformer_train_step_compiles_on_a_data_model_mesh(axis_type):
+  """The Transformer's loss and gradient on a 2x2 v5e, ("data", "model") = (2, 2),
+  parameters and batch sharded by jattn.sharding, the default implementation. Auto
+  axes, as examples/training.py makes them: the compiler cannot partition a Mosaic
+  kernel (before: "Mosaic kernels cannot be automatically partitioned. Please wrap the
+  call in a shard_map"). Explicit axes (jax.make_mesh's default): before, the embedding
+  lookup did not trace. On both each chip runs flex_tpu on its rows and heads, and
+  nothing gathers the activations for attention."""
   devices = np.asarray(deviceless.devices(SLICE), dtype=object).reshape(2, 2)
-  mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(axis_type,) * 2)
   compiled, report = _compile_transformer_step(mesh, 4)
   assert {"jattn_flex_tpu_fwd", "jattn_flex_tpu_dq", "jattn_flex_tpu_dkv"} <= set(
       report.kernels), report
