@@ -131,6 +131,16 @@ def open_jaxpr(closed):
   return jaxpr, consts
 
 
+def vmapped_mesh_axes() -> frozenset:
+  """The Explicit mesh axes an enclosing `jax.vmap` maps away: those its mapped array
+  axis is sharded over. Inside such a vmap they are not the body's to name (the
+  arrays' types no longer show them): `jax.shard_map` refuses them in its axis_names,
+  and subtracts them itself, reading jax's private axis environment, as this does.
+  Empty outside such a vmap (or where this jax keeps no such record)."""
+  from jax._src import core  # private: no public API says it
+  return frozenset(getattr(core.get_axis_env(), "explicit_mesh_axis_names", ()))
+
+
 def mgpu_load(ref, layout):
   """`plgpu.load(ref, layout=layout)`, the whole ref: jax 0.10 asks for an index
   argument (`()`: all of it) that later versions dropped."""

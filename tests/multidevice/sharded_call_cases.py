@@ -11,7 +11,8 @@ both kinds of axes; grouped heads (K = 2 over 4 devices) with a bias and ALiBi,
 blockwise; the sequence sharded (gathered) with a window and documents; dropout draws
 that differ between devices; the interpreted flex_tpu kernel; the errors;
 decode_attention over a paged cache, rows and kv heads split, on both kinds of axes;
-the Transformer's training step on Explicit axes (rows, rotary positions). "all" adds a
+the Transformer's training step on Explicit axes (rows, rotary positions); a jax.vmap
+over an axis sharded on Explicit "data". "all" adds a
 block mask, a query without a batch axis called eagerly (compiled once), and a call
 inside a caller's shard_map over one of the axes, and Auto axes of other names (left
 to the compiler), and the Transformer in columns with learned positions.
@@ -22,6 +23,7 @@ check; exits non-zero on any failure.
 """
 
 import dataclasses
+import functools
 import pathlib
 import sys
 
@@ -384,6 +386,45 @@ def other_names_case(rng):
                 f"no shard_map {left}; max |err| {e:.1e}")
 
 
+def vmap_case(rng):
+  """jax.vmap over an axis E sharded over "data" (Explicit), the heads over "model":
+  inside the vmap "data" is the vmap's (the types no longer show it), so the call's
+  shard_map splits only the heads, and the implementations jax cannot batch over such an
+  axis (Pallas calls, the blockwise loops) refuse it: the default takes "xla". Values and
+  gradients against float64; a named "blockwise" is a ValueError naming the axis."""
+  E = 4  # 2 per device: jax batches a Pallas call over 1 by dropping the axis
+  q = normal(rng, E, B, T, N, H)
+  ids = np.sort(rng.integers(0, 3, (E, B, T)), axis=-1).astype(np.int32)
+  d_out = normal(rng, E, B, T, N, H)
+
+  def vjp(q, ids, implementation=None):
+    attend = jax.vmap(lambda q, ids: jattn.dot_product_attention(
+        q, q, q, is_causal=True, mask_mod=mods.document(ids), implementation=implementation))
+    out, pullback = jax.vjp(lambda q: attend(q, ids), q)
+    return out, pullback(d_out)[0]
+
+  with jax.set_mesh(MESH):
+    x, sharded_ids = on(q, "data", None, None, "model"), on(ids, "data")
+    out, dq = jax.jit(vjp)(x, sharded_ids)
+    program = str(jax.make_jaxpr(vjp)(x, sharded_ids))
+    ok = raises("vmap over Explicit axes: a named blockwise refuses", lambda: jax.jit(
+        functools.partial(vjp, implementation="blockwise"))(x, sharded_ids),
+        "'blockwise' cannot run", "vmap", "['data']", "implementation='xla'")
+  errors, out_np, dq = [], np.asarray(out), np.asarray(dq)
+  for e in range(E):
+    allowed = reference_mask(B, N, T, T, is_causal=True, q_segment_ids=ids[e],
+                             kv_segment_ids=ids[e])
+    want = reference_mods_vjp(q[e], q[e], q[e], d_out[e], allowed=allowed)
+    # q is the query, key and value: its gradient is the sum of the three
+    errors += [error(out_np[e], want[0]), error(dq[e], sum(want[1:4]))]
+  split = "shard_map" in program and "P(None, None, None, 'model'" in program  # E, B, T, N
+  ok &= report("vmap over an axis sharded on Explicit axes (default implementation)",
+               max(errors) <= TOL and split and spec_of(out) == ("data", None, None, "model", None),
+               f"out {spec_of(out)}, heads split {split}; max |err| out, dq = "
+               f"{max(errors[0::2]):.1e}, {max(errors[1::2]):.1e}")
+  return ok
+
+
 def errors_case(rng):
   """A hand-written mod indexing a batch-sharded array: jax 0.10 cannot trace that (a
   TypeError that says to replicate it), newer jax can (then the values must be right);
@@ -417,7 +458,7 @@ def main():
   rng = np.random.default_rng(0)
   cases = [mods_case, auto_case, grouped_heads_case, sequence_case, dropout_case,
            flex_tpu_case, errors_case, lambda rng: decode_case(rng, explicit=True),
-           lambda rng: decode_case(rng, explicit=False), transformer_case]
+           lambda rng: decode_case(rng, explicit=False), transformer_case, vmap_case]
   if not QUICK:
     cases += [block_mask_case, unbatched_eager_case, partly_manual_case, other_names_case,
               lambda rng: transformer_case(rng, "columns", "learned")]

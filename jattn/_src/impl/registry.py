@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from jattn._src import compat
 from jattn._src.impl import cudnn, fused, kernel_plans
 from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.blockwise import blockwise_attention
@@ -52,6 +53,9 @@ class Implementation:
 
   platforms: where it runs ("cpu", "tpu", "cuda", "rocm"); None = everywhere.
   interpretable: a Pallas kernel that runs anywhere inside `pallas_interpret()`.
+  vmaps_over_explicit_axes: jax can batch it under a vmap whose mapped axis is sharded
+    over Explicit mesh axes (jax's batching rules of Pallas calls and of loops nested
+    in loops refuse that axis: NotImplementedError, "Resource axis ... not found").
   plan(call, platform) -> a hashable plan, or a str: the reason it cannot.
   run(plan, query, key, value, modifiers, layout) -> (out, weights | None, lse | None,
     max_logits | None).
@@ -62,13 +66,22 @@ class Implementation:
   run: Callable
   platforms: tuple[str, ...] | None = None
   interpretable: bool = False
+  vmaps_over_explicit_axes: bool = False
 
   def plan_for(self, call, platform: str):
-    """The plan on `platform`, or the reason in words (the platform's, or the plan's)."""
+    """The plan on `platform`, or the reason in words (the platform's, the vmap's or the
+    plan's)."""
     if not (self.platforms is None or platform in self.platforms
             or (self.interpretable and call.interpret)):
       needs = " or ".join(_PLATFORM_NAMES[p] for p in self.platforms)
       return f"it needs a {needs}, the program is lowered for {platform!r}"
+    mapped = compat.vmapped_mesh_axes()
+    if mapped and not self.vmaps_over_explicit_axes:
+      return (f"the call is under a jax.vmap whose mapped axis is sharded over the "
+              f"Explicit mesh axes {sorted(mapped)}, and jax cannot batch its "
+              f"{'Pallas call' if self.platforms else 'nested loops'} over such an axis; "
+              f"implementation='xla' can, or fold that axis into the batch B, or make "
+              f"those mesh axes Auto")
     return self.plan(call, platform)
 
 
@@ -115,9 +128,11 @@ def _flex_plan(kernel, **options):
 
 IMPLEMENTATIONS = {
     "xla": Implementation(
-        "xla", _dense_plan, lambda plan, *args: xla_attention(*args)),
+        "xla", _dense_plan, lambda plan, *args: xla_attention(*args),
+        vmaps_over_explicit_axes=True),
     "vmap": Implementation(
-        "vmap", _dense_plan, lambda plan, *args: vmapped_attention(*args)),
+        "vmap", _dense_plan, lambda plan, *args: vmapped_attention(*args),
+        vmaps_over_explicit_axes=True),
     "blockwise": Implementation(
         "blockwise", _blockwise_plan,
         lambda plan, *args: blockwise_attention(*args, block_sizes=plan.block_sizes)),

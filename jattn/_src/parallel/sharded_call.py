@@ -40,6 +40,7 @@ import math
 import jax
 from jax.sharding import AxisType, PartitionSpec
 
+from jattn._src import compat
 from jattn._src.call import Call
 from jattn._src.core.explicit_axes import axes_of, explicit_axes
 from jattn._src.core.layout import Layout
@@ -141,8 +142,10 @@ def mesh_of_kernels(choices):
 
 
 def unmanual(mesh) -> set:
-  """The axes a shard_map of ours maps: all but those a caller's shard_map made manual."""
-  return set(mesh.axis_names) - axes_of(mesh, AxisType.Manual)
+  """The axes a shard_map of ours maps: all but those a caller's shard_map made manual
+  and those an enclosing vmap maps away (its array axis sharded over them)."""
+  return (set(mesh.axis_names) - axes_of(mesh, AxisType.Manual)
+          - compat.vmapped_mesh_axes())
 
 
 def at_global(mod, reads_b: bool, reads_n: bool, b0, n0, first: int):
