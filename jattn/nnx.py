@@ -296,7 +296,8 @@ class MultiHeadAttention(nnx.Module):
     (read them with nnx.capture). sow_max_logits (default: the constructor's)
     sows each head's largest visible logit, float32 [N], as nnx.Intermediate
     'max_logits'. out_sharding / qkv_sharding: the shardings
-    of the output and of the projected q, k, v (in the module's layout).
+    of the output and of the projected q, k, v (in the module's layout); on Explicit
+    mesh axes the output is by default sharded as inputs_q, its feature axis whole.
 
     decode (default: the constructor's): attention over the cache, after
     `init_cache`; the new tokens' keys and values (from inputs_q, or from
@@ -331,6 +332,8 @@ class MultiHeadAttention(nnx.Module):
                        f"{self.in_kv_features} differs from in_features = {self.in_features}: "
                        f"pass inputs_k (and inputs_v)")
     mask = _heads.float_mask(mask)
+    if out_sharding is None:
+      out_sharding = _heads.default_out_sharding(inputs_q, layout)
     decode = self.decode if decode is None else decode
     sow_max_logits = self.sow_max_logits if sow_max_logits is None else sow_max_logits
     B, T = inputs_q.shape[0], inputs_q.shape[_heads.token_axis(layout)]

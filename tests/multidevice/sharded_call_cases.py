@@ -11,7 +11,8 @@ both kinds of axes; grouped heads (K = 2 over 4 devices) with a bias and ALiBi,
 blockwise; the sequence sharded (gathered) with a window and documents; dropout draws
 that differ between devices; the interpreted flex_tpu kernel; the errors;
 decode_attention over a paged cache, rows and kv heads split, on both kinds of axes;
-the Transformer's training step on Explicit axes (rows, rotary positions); a jax.vmap
+the Transformer's training step on Explicit axes (rows, rotary positions) and
+jattn.nnx.MultiHeadAttention there without an out_sharding; a jax.vmap
 over an axis sharded on Explicit "data". "all" adds a
 block mask, a query without a batch axis called eagerly (compiled once), and a call
 inside a caller's shard_map over one of the axes, and Auto axes of other names (left
@@ -371,6 +372,36 @@ def transformer_case(rng, layout="rows", position_encoding="rope"):
                 f"loss, logits, grads = " + ", ".join(f"{e:.1e}" for e in errors))
 
 
+def module_case(rng):
+  """jattn.nnx.MultiHeadAttention on Explicit axes, its heads over "model" and the
+  inputs' rows over "data", called with no out_sharding: its output projection contracts
+  the sharded heads, so the module says the output's sharding (the input's). Output and
+  the gradient of the input against the same call on one device."""
+  from flax import nnx
+  F = 32
+  layer = jattn.nnx.MultiHeadAttention(N, F, num_kv_heads=4, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(layer, nnx.Param)
+  # jattn.sharding's rules, as they place a Transformer layer's "attention/..." weights
+  heads = lambda path, w: jattn.sharding.partition_spec(
+      "attention/" + jattn.sharding.path_name(path), w.ndim)
+  x = normal(rng, B, T, F)
+
+  def vjp(params, x):
+    out, pullback = jax.vjp(lambda x: nnx.merge(graphdef, params)(x, is_causal=True), x)
+    return out, pullback(jnp.ones_like(out))[0]
+
+  with jax.set_mesh(MESH):
+    sharded = jax.tree_util.tree_map_with_path(
+        lambda path, w: on(w, *heads(path, w)), params)
+    out, dx = jax.jit(vjp)(sharded, on(x, "data"))
+  want, want_dx = jax.jit(vjp)(params, x)
+  errors = [error(out, want), error(dx, want_dx)]
+  ok = max(errors) <= TOL and spec_of(out) == ("data", None, None)
+  return report("nnx.MultiHeadAttention on Explicit axes, no out_sharding", ok,
+                f"out {spec_of(out)}; max |err| out, d inputs = "
+                + ", ".join(f"{e:.1e}" for e in errors))
+
+
 def other_names_case(rng):
   """Auto axes named neither "data" nor "model": left to the compiler (no shard_map),
   which partitions the CPU path by the inputs' shardings."""
@@ -458,7 +489,7 @@ def main():
   rng = np.random.default_rng(0)
   cases = [mods_case, auto_case, grouped_heads_case, sequence_case, dropout_case,
            flex_tpu_case, errors_case, lambda rng: decode_case(rng, explicit=True),
-           lambda rng: decode_case(rng, explicit=False), transformer_case, vmap_case]
+           lambda rng: decode_case(rng, explicit=False), transformer_case, module_case, vmap_case]
   if not QUICK:
     cases += [block_mask_case, unbatched_eager_case, partly_manual_case, other_names_case,
               lambda rng: transformer_case(rng, "columns", "learned")]

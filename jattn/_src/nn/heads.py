@@ -14,6 +14,9 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jattn._src.core.explicit_axes import explicit_sharding
 
 LAYOUTS = ("rows", "columns")
 # the dot_product_attention layout of the per-head arrays, per module layout
@@ -97,6 +100,19 @@ def project_out(y, kernel, bias, *, layout: str, dtype=None, out_sharding=None) 
     bias = bias.astype(dtype)
     out = out + (bias if layout == "rows" else bias[:, None])  # [F] or [F, 1]
   return out
+
+
+def default_out_sharding(x, layout: str):
+  """The output's sharding when the caller names none: on Explicit axes that of the
+  module's input x with its feature axis unsharded (the output projection contracts N,
+  which the heads' sharding splits, and jax cannot infer the result's sharding from
+  that); None elsewhere, where jax infers it."""
+  sharding = explicit_sharding(x)
+  if sharding is None:
+    return None
+  spec = list(sharding.spec)
+  spec[feature_axis(layout)] = None  # out_features need not divide as in_features do
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
 def check_heads(num_heads: int, qkv_features: int, num_kv_heads: int) -> int:
