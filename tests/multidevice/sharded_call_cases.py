@@ -422,7 +422,8 @@ def vmap_case(rng):
   inside the vmap "data" is the vmap's (the types no longer show it), so the call's
   shard_map splits only the heads, and the implementations jax cannot batch over such an
   axis (Pallas calls, the blockwise loops) refuse it: the default takes "xla". Values and
-  gradients against float64; a named "blockwise" is a ValueError naming the axis."""
+  gradients against float64; a named "blockwise" is a ValueError naming the axis; and
+  decode_attention over E paged caches, whose default (split) refuses too."""
   E = 4  # 2 per device: jax batches a Pallas call over 1 by dropping the axis
   q = normal(rng, E, B, T, N, H)
   ids = np.sort(rng.integers(0, 3, (E, B, T)), axis=-1).astype(np.int32)
@@ -449,10 +450,20 @@ def vmap_case(rng):
     # q is the query, key and value: its gradient is the sum of the three
     errors += [error(out_np[e], want[0]), error(dq[e], sum(want[1:4]))]
   split = "shard_map" in program and "P(None, None, None, 'model'" in program  # E, B, T, N
-  ok &= report("vmap over an axis sharded on Explicit axes (default implementation)",
+  # decode_attention likewise: its default (split over keys, nested loops) refuses, the
+  # dense path takes it; against the same calls on one device (split)
+  S, K, lengths = 16, 4, np.array([[13, 7, 16, 4]] * E, np.int32)
+  k, query = normal(rng, E, B, S, K, H), normal(rng, E, B, 1, N, H)
+  caches = jax.vmap(lambda k, n: jattn.paged.append(jattn.paged.init_cache(
+      B, S, num_kv_heads=K, head_dim=H, page_size=8), k, k, n))(k, lengths)
+  decode = jax.vmap(lambda q, cache: jattn.decode_attention(q, cache, is_causal=True))
+  with jax.set_mesh(MESH):
+    decoded = jax.jit(decode)(on(query, "data"), jax.tree.map(lambda x: on(x, "data"), caches))
+  errors.append(error(decoded, decode(query, caches)))
+  ok &= report("vmap over an axis sharded on Explicit axes (default implementations)",
                max(errors) <= TOL and split and spec_of(out) == ("data", None, None, "model", None),
-               f"out {spec_of(out)}, heads split {split}; max |err| out, dq = "
-               f"{max(errors[0::2]):.1e}, {max(errors[1::2]):.1e}")
+               f"out {spec_of(out)}, heads split {split}; max |err| out, dq, decoded = "
+               f"{max(errors[0:-1:2]):.1e}, {max(errors[1:-1:2]):.1e}, {errors[-1]:.1e}")
   return ok
 
 

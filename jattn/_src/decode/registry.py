@@ -142,7 +142,9 @@ def _run_paged_gpu(plan, query, cache, mods, options):
 
 DECODE_IMPLEMENTATIONS = {
     "split": Implementation("split", _split_plan, _run_split),
-    "xla": Implementation("xla", _gather_all_plan, _run_dense),
+    # (only the dense path batches under a vmap over an Explicit-sharded axis: jax's
+    # batching of the split path's nested loops and of Pallas calls refuses that axis)
+    "xla": Implementation("xla", _gather_all_plan, _run_dense, vmaps_over_explicit_axes=True),
     "paged_tpu": Implementation("paged_tpu", _paged_tpu.plan, _run_paged_tpu,
                                 platforms=("tpu",), interpretable=True),
     "paged_gpu": Implementation("paged_gpu", _paged_gpu.plan, _run_paged_gpu,
