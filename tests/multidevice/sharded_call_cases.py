@@ -11,12 +11,13 @@ both kinds of axes; grouped heads (K = 2 over 4 devices) with a bias and ALiBi,
 blockwise; the sequence sharded (gathered) with a window and documents; dropout draws
 that differ between devices; the interpreted flex_tpu kernel; the errors;
 decode_attention over a paged cache, rows and kv heads split, on both kinds of axes;
-the Transformer's training step on Explicit axes (rows, rotary positions) and
-jattn.nnx.MultiHeadAttention there without an out_sharding; a jax.vmap
-over an axis sharded on Explicit "data". "all" adds a
+on Explicit axes, the Transformer's training step (rows, rotary positions) and its
+greedy sampling through the paged and the per-row caches, and jattn.nnx.MultiHeadAttention
+without an out_sharding; a jax.vmap over an axis sharded on Explicit "data". "all" adds a
 block mask, a query without a batch axis called eagerly (compiled once), and a call
 inside a caller's shard_map over one of the axes, and Auto axes of other names (left
-to the compiler), and the Transformer in columns with learned positions.
+to the compiler), the Transformer in columns with learned positions, and sampling
+over int8 pages.
 
 Run by tests/multidevice/test_sharded_call.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per
@@ -372,6 +373,44 @@ def transformer_case(rng, layout="rows", position_encoding="rope"):
                 f"loss, logits, grads = " + ", ".join(f"{e:.1e}" for e in errors))
 
 
+def sampling_case(rng, cache_dtype=None):
+  """The Transformer samples on Explicit axes (weights placed by jattn.sharding, prompts
+  over "data"): greedy `generate` through the paged cache (the rows share one page pool,
+  so the cache's bookkeeping and pages stay whole on every device, heads as the pool's),
+  and decoding through the per-row cache (a prompt, then a token); the tokens and logits
+  of the same calls on one device."""
+  from flax import nnx
+  import jattn.transformer as tr
+  config = tr.TransformerConfig(vocab_size=32, max_len=32, num_layers=1, features=32,
+                                num_heads=N, num_kv_heads=4, mlp_features=64,
+                                position_encoding="rope")
+  model = tr.Transformer(config, rngs=nnx.Rngs(0))
+  prompts = jnp.asarray(rng.integers(0, config.vocab_size, (B, 8)), jnp.int32)
+  prompt_lengths = jnp.array([8, 5, 3, 8], jnp.int32)
+  sample = lambda m, p, n: m.generate(p, n, 6, jax.random.key(0), temperature=0.0,
+                                      cache_dtype=cache_dtype)
+  want, want_lengths = sample(model, prompts, prompt_lengths)
+  model.init_cache(B, config.max_len)
+  want_logits = [model(prompts, decode=True), model(prompts[:, :1], decode=True)]
+  with jax.set_mesh(MESH):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sharded = nnx.merge(graphdef, jax.device_put(
+        params, jattn.sharding.state_shardings(params, MESH)), rest)
+    x = on(prompts, "data")
+    tokens, lengths = sample(sharded, x, on(prompt_lengths, "data"))
+    sharded.init_cache(B, config.max_len)
+    logits = [sharded(x, decode=True), sharded(x[:, :1], decode=True)]
+  same = (np.array_equal(np.asarray(tokens), np.asarray(want))
+          and np.array_equal(np.asarray(lengths), np.asarray(want_lengths)))
+  errors = [error(a, b) for a, b in zip(logits, want_logits)]
+  ok = same and max(errors) <= TOL and spec_of(tokens) == ("data", None)
+  kind = "int8" if cache_dtype is not None else "float32"
+  return report(f"Transformer sampling on Explicit axes ({kind} pages)", ok,
+                f"tokens {spec_of(tokens)}, the tokens of one device {same}; max |err| "
+                f"logits of the per-row cache (prompt, token) = "
+                + ", ".join(f"{e:.1e}" for e in errors))
+
+
 def module_case(rng):
   """jattn.nnx.MultiHeadAttention on Explicit axes, its heads over "model" and the
   inputs' rows over "data", called with no out_sharding: its output projection contracts
@@ -500,10 +539,12 @@ def main():
   rng = np.random.default_rng(0)
   cases = [mods_case, auto_case, grouped_heads_case, sequence_case, dropout_case,
            flex_tpu_case, errors_case, lambda rng: decode_case(rng, explicit=True),
-           lambda rng: decode_case(rng, explicit=False), transformer_case, module_case, vmap_case]
+           lambda rng: decode_case(rng, explicit=False), transformer_case, module_case, sampling_case,
+           vmap_case]
   if not QUICK:
     cases += [block_mask_case, unbatched_eager_case, partly_manual_case, other_names_case,
-              lambda rng: transformer_case(rng, "columns", "learned")]
+              lambda rng: transformer_case(rng, "columns", "learned"),
+              lambda rng: sampling_case(rng, jnp.int8)]
   ok = True
   for case in cases:
     try:

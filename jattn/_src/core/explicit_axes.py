@@ -52,3 +52,11 @@ def unsharded(x):
   if not used:
     return x
   return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def laid_out_as(x, like):
+  """x resharded as `like` (an array of x's shape) where either is sharded over Explicit
+  axes: an op that writes x into `like` (a cache) keeps like's type. x itself elsewhere."""
+  if not (explicit_axes(x)[1] or explicit_axes(like)[1]):
+    return x
+  return jax.sharding.reshard(x, jax.typeof(like).sharding)

@@ -40,6 +40,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jattn._src.core.explicit_axes import explicit_axes, unsharded
 
 # A block-table entry with no page: negative, so it can never name a pool page.
 NO_PAGE = -1
@@ -286,7 +289,8 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
 def _append(cache: PagedKVCache, key, value, new_tokens):
   """-> (append's cache, or as it was with `error` flagged; the request's error bits)."""
   M, ps, K, T = cache.max_pages, cache.page_size, cache.key_pages.shape[1], key.shape[1]
-  new_tokens = jnp.minimum(jnp.maximum(new_tokens.astype(jnp.int32), 0), T)
+  # the rows share one free list: their counts whole on every device (Explicit axes)
+  new_tokens = jnp.minimum(jnp.maximum(unsharded(new_tokens).astype(jnp.int32), 0), T)
   grown, bits = _allocate(cache, new_tokens)
   refused = bits != 0  # the allocation was refused: write nothing
   pos = grown.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
@@ -301,6 +305,7 @@ def _append(cache: PagedKVCache, key, value, new_tokens):
   out = {}
   for name, x in (("key", key), ("value", value)):
     pool, scales = getattr(grown, name + "_pages"), getattr(grown, name + "_scales")
+    x = _laid_out_as_pool(x, pool)
     if scales is None:
       out[name + "_pages"] = pool.at[at].set(x.astype(pool.dtype), mode="drop")
     else:
@@ -308,6 +313,20 @@ def _append(cache: PagedKVCache, key, value, new_tokens):
           grown, pool, scales, x, new_tokens, refused)
   lengths = grown.lengths + jnp.where(refused, 0, new_tokens)
   return dataclasses.replace(grown, lengths=lengths, **out), bits
+
+
+def _laid_out_as_pool(x, pool):
+  """x [B, T, K, H] with its rows whole and K sharded as the pool's [P, K, page_size, H]
+  K, on Explicit axes (any row may write any page: the scatter's update must be laid out
+  as the pool); x itself off them."""
+  mesh, used = explicit_axes(x)
+  pool_mesh, pool_used = explicit_axes(pool)
+  if not (used or pool_used):
+    return x
+  heads = tuple(jax.typeof(pool).sharding.spec)[1:2] if pool_used else ()
+  return jax.sharding.reshard(
+      x, NamedSharding(pool_mesh if pool_used else mesh,
+                       PartitionSpec(None, None, heads[0] if heads else None, None)))
 
 
 def quantize(x, amax):

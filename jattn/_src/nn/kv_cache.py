@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jattn._src.core.explicit_axes import laid_out_as
+
 
 def _along(x: jax.Array, ndim: int, axis: int) -> jax.Array:
   """[B, L] -> rank-`ndim` array with B on axis 0, L on `axis`, size 1 elsewhere."""
@@ -39,7 +41,8 @@ def write(cache: jax.Array, new: jax.Array, index: jax.Array, lengths: jax.Array
   # out of [0, T) nothing is written, so whichever token mode="clip" reads there is dropped
   moved = jnp.take_along_axis(new, _along(t, cache.ndim, token_axis), axis=token_axis,
                               mode="clip")
-  return jnp.where(_along(written, cache.ndim, token_axis), moved.astype(cache.dtype), cache)
+  moved = laid_out_as(moved.astype(cache.dtype), cache)  # Explicit axes: the cache's type
+  return jnp.where(_along(written, cache.ndim, token_axis), moved, cache)
 
 
 def decode_mask(index: jax.Array, T: int, S: int) -> jax.Array:
