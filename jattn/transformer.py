@@ -20,7 +20,7 @@ from flax import nnx
 
 import jattn.nnx
 from jattn import mods
-from jattn._src.core.explicit_axes import explicit_sharding
+from jattn._src.core.explicit_axes import explicit_sharding, laid_out_as
 from jattn.rope import DEFAULT_BASE, rope_heads
 
 POSITION_ENCODINGS = ("learned", "rope", "none")
@@ -337,14 +337,17 @@ class Transformer(nnx.Module):
     """[B, T, F]: the embedding of each token's predecessor (zeros at position 0);
     with decode=True the first one is the last token cached for its row."""
     B, T = tokens.shape
-    # (zeros_like: on Explicit axes sharded as the tokens' rows, as concatenate needs)
-    first = self.last_token[...] if decode else jnp.zeros_like(tokens[:, 0])  # [B]
+    # on Explicit axes sharded as the tokens' rows, as concatenate needs (the cached
+    # token is laid out as the cache, and goes back so)
+    first = (laid_out_as(self.last_token[...], tokens[:, 0]) if decode
+             else jnp.zeros_like(tokens[:, 0]))  # [B]
     previous = jnp.concatenate([first[:, None], tokens[:, :-1]], axis=1)  # [B, T]
     has_previous = (start[:, None] + jnp.arange(T)[None, :]) > 0  # [B, T]
     if decode:
       n = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+      n = laid_out_as(n, first)
       last = jnp.take_along_axis(tokens, jnp.clip(n - 1, 0, T - 1)[:, None], axis=1)[:, 0]
-      self.last_token[...] = jnp.where(n > 0, last, first)
+      self.last_token[...] = laid_out_as(jnp.where(n > 0, last, first), self.last_token[...])
     return jnp.where(has_previous[:, :, None], _lookup(self.previous_embed, previous), 0.0)
 
   def generate(self, prompts, prompt_lengths, max_new_tokens: int, rng, *,

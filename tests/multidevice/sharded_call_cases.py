@@ -378,12 +378,13 @@ def sampling_case(rng, cache_dtype=None):
   over "data"): greedy `generate` through the paged cache (the rows share one page pool,
   so the cache's bookkeeping and pages stay whole on every device, heads as the pool's),
   and decoding through the per-row cache (a prompt, then a token); the tokens and logits
-  of the same calls on one device."""
+  of the same calls on one device. (The previous-token embedding caches each row's last
+  token between steps.)"""
   from flax import nnx
   import jattn.transformer as tr
   config = tr.TransformerConfig(vocab_size=32, max_len=32, num_layers=1, features=32,
                                 num_heads=N, num_kv_heads=4, mlp_features=64,
-                                position_encoding="rope")
+                                position_encoding="rope", previous_token_embedding=True)
   model = tr.Transformer(config, rngs=nnx.Rngs(0))
   prompts = jnp.asarray(rng.integers(0, config.vocab_size, (B, 8)), jnp.int32)
   prompt_lengths = jnp.array([8, 5, 3, 8], jnp.int32)

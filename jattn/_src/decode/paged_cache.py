@@ -323,10 +323,9 @@ def _laid_out_as_pool(x, pool):
   pool_mesh, pool_used = explicit_axes(pool)
   if not (used or pool_used):
     return x
-  heads = tuple(jax.typeof(pool).sharding.spec)[1:2] if pool_used else ()
-  return jax.sharding.reshard(
-      x, NamedSharding(pool_mesh if pool_used else mesh,
-                       PartitionSpec(None, None, heads[0] if heads else None, None)))
+  heads = (tuple(jax.typeof(pool).sharding.spec) + (None, None))[1] if pool_used else None
+  return jax.sharding.reshard(x, NamedSharding(pool_mesh or mesh,
+                                               PartitionSpec(None, None, heads, None)))
 
 
 def quantize(x, amax):
