@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jattn._src.core.explicit_axes import explicit_axes, unsharded
+from jattn._src.core.explicit_axes import explicit_axes, explicit_sharding, unsharded
 
 # A block-table entry with no page: negative, so it can never name a pool page.
 NO_PAGE = -1
@@ -320,12 +320,12 @@ def _laid_out_as_pool(x, pool):
   K, on Explicit axes (any row may write any page: the scatter's update must be laid out
   as the pool); x itself off them."""
   mesh, used = explicit_axes(x)
-  pool_mesh, pool_used = explicit_axes(pool)
-  if not (used or pool_used):
+  pool_sharding = explicit_sharding(pool)
+  if pool_sharding is None and not used:
     return x
-  heads = (tuple(jax.typeof(pool).sharding.spec) + (None, None))[1] if pool_used else None
-  return jax.sharding.reshard(x, NamedSharding(pool_mesh or mesh,
-                                               PartitionSpec(None, None, heads, None)))
+  heads = None if pool_sharding is None else pool_sharding.spec[1]  # the pool's K
+  mesh = mesh if pool_sharding is None else pool_sharding.mesh
+  return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec(None, None, heads, None)))
 
 
 def quantize(x, amax):

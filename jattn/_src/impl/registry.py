@@ -78,10 +78,10 @@ class Implementation:
     mapped = compat.vmapped_mesh_axes()
     if mapped and not self.vmaps_over_explicit_axes:
       return (f"the call is under a jax.vmap whose mapped axis is sharded over the "
-              f"Explicit mesh axes {sorted(mapped)}, and jax cannot batch its "
-              f"{'Pallas call' if self.platforms else 'nested loops'} over such an axis; "
-              f"implementation='xla' can, or fold that axis into the batch B, or make "
-              f"those mesh axes Auto")
+              f"Explicit mesh axes {sorted(mapped)}, over which jax batches only the dense "
+              f"paths (its batching of Pallas calls and of nested loops refuses such an "
+              f"axis); implementation='xla' can, or fold that axis into the batch B, or "
+              f"make those mesh axes Auto")
     return self.plan(call, platform)
 
 
