@@ -139,14 +139,14 @@ class MultiHeadAttention(nn.Module):
                mask_mod=None, score_mod=None, sow_max_logits=None):
     """inputs_k/inputs_v/inputs_kv as flax's (keys and values default to
     inputs_q; each projected by a kernel sized from its own features; with
-    decode, the new tokens' keys and values come from them); mask bool or numeric, nonzero = may attend, broadcastable to
-    [B, N, T, S]; dropout_rng overrides the `dropout` collection; sow_weights
-    sows the weights [B, N, T, S] into 'intermediates'; sow_max_logits (default
-    the attribute's) sows each head's largest visible logit [N] there as
-    'max_logits'. lengths: int [B], keys
-    past lengths[b] are padding. mask_mod / score_mod: as
-    `dot_product_attention`'s; when decoding they see each query's position in
-    the cache."""
+    decode, the new tokens' keys and values come from them); mask bool or numeric,
+    nonzero = may attend, broadcastable to [B, N, T, S]; dropout_rng overrides the
+    `dropout` collection; sow_weights sows the weights [B, N, T, S] into
+    'intermediates'; sow_max_logits (default the attribute's) sows each head's
+    largest visible logit [N] there as 'max_logits'. lengths: int [B], keys past
+    lengths[b] are padding. mask_mod / score_mod: as `dot_product_attention`'s; when
+    decoding they see each query's position in the cache. On Explicit mesh axes the
+    output is sharded as inputs_q, its feature axis whole."""
     self._check_attributes()
     layout = _heads.check_layout(self.layout)
     # any number of batch axes, as flax: merged into one here, split on the way out
@@ -234,7 +234,10 @@ class MultiHeadAttention(nn.Module):
           sow_weights=sow_weights, attention_fn=user_fn,
           sow_max_logits=self.sow_max_logits if sow_max_logits is None else sow_max_logits,
           sow=lambda name, x: self.sow("intermediates", name, x))
-      out = _heads.project_out(out, *out_proj(), **heads)
+      # on Explicit axes the projection contracts the sharded heads: the output is laid
+      # out as inputs_q (as jattn.nnx's default; flax's linen module has no out_sharding)
+      out = _heads.project_out(out, *out_proj(), **heads,
+                               out_sharding=_heads.default_out_sharding(inputs_q, layout))
     return _heads.split_batch(out, batch)
 
   def _check_attributes(self):

@@ -12,9 +12,9 @@ blockwise; the sequence sharded (gathered) with a window and documents; dropout 
 that differ between devices; the interpreted flex_tpu kernel; the errors;
 decode_attention over a paged cache, rows and kv heads split, on both kinds of axes;
 on Explicit axes, the Transformer's training step (rows, rotary positions) and its
-greedy sampling through the paged and the per-row caches, and jattn.nnx.MultiHeadAttention
-without an out_sharding; a jax.vmap over an axis sharded on Explicit "data". "all" adds a
-block mask, a query without a batch axis called eagerly (compiled once), and a call
+greedy sampling through the paged and the per-row caches, jattn.nnx.MultiHeadAttention
+without an out_sharding and jattn.linen's module; a jax.vmap over an axis sharded on
+Explicit "data". "all" adds a block mask, a query without a batch axis called eagerly (compiled once), and a call
 inside a caller's shard_map over one of the axes, and Auto axes of other names (left
 to the compiler), the Transformer in columns with learned positions, and sampling
 over int8 pages.
@@ -448,6 +448,34 @@ def module_case(rng):
                 + ", ".join(f"{e:.1e}" for e in errors))
 
 
+def linen_module_case(rng):
+  """jattn.linen.MultiHeadDotProductAttention on Explicit axes, as module_case: flax's
+  signature has no out_sharding, so the module lays its output out as inputs_q. Output
+  and the gradient of the input against the same call on one device."""
+  F = 32
+  layer = jattn.linen.MultiHeadDotProductAttention(num_heads=N, qkv_features=F,
+                                                   num_kv_heads=4)
+  x = normal(rng, B, T, F)
+  params = layer.init(jax.random.key(0), x)["params"]
+  heads = lambda path, w: jattn.sharding.partition_spec(
+      "attention/" + jattn.sharding.path_name(path), w.ndim)
+
+  def vjp(params, x):
+    out, pullback = jax.vjp(lambda x: layer.apply({"params": params}, x, is_causal=True), x)
+    return out, pullback(jnp.ones_like(out))[0]
+
+  with jax.set_mesh(MESH):
+    sharded = jax.tree_util.tree_map_with_path(lambda path, w: on(w, *heads(path, w)), params)
+    out, dx = jax.jit(vjp)(sharded, on(x, "data"))
+  want, want_dx = jax.jit(vjp)(params, x)
+  errors = [error(out, want), error(dx, want_dx)]
+  kernel = spec_of(sharded["out"]["kernel"])
+  ok = max(errors) <= TOL and spec_of(out) == ("data", None, None) and "model" in kernel
+  return report("linen.MultiHeadDotProductAttention on Explicit axes", ok,
+                f"out kernel {kernel}, out {spec_of(out)}; max |err| out, d inputs = "
+                + ", ".join(f"{e:.1e}" for e in errors))
+
+
 def other_names_case(rng):
   """Auto axes named neither "data" nor "model": left to the compiler (no shard_map),
   which partitions the CPU path by the inputs' shardings."""
@@ -546,8 +574,8 @@ def main():
   rng = np.random.default_rng(0)
   cases = [mods_case, auto_case, grouped_heads_case, sequence_case, dropout_case,
            flex_tpu_case, errors_case, lambda rng: decode_case(rng, explicit=True),
-           lambda rng: decode_case(rng, explicit=False), transformer_case, module_case, sampling_case,
-           vmap_case]
+           lambda rng: decode_case(rng, explicit=False), transformer_case, module_case,
+           linen_module_case, sampling_case, vmap_case]
   if not QUICK:
     cases += [block_mask_case, unbatched_eager_case, partly_manual_case, other_names_case,
               lambda rng: transformer_case(rng, "columns", "learned"),
