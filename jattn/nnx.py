@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
+from jattn._src.core.explicit_axes import zeros
 from jattn._src.nn import heads as _heads
 from jattn._src.decode import paged_cache as _paged
 from jattn._src.nn import kv_cache as _kv_cache
@@ -219,7 +220,8 @@ class MultiHeadAttention(nnx.Module):
       dtype = dtype or self.dtype or self.param_dtype
       self.paged_cache = nnx.Cache(_paged.init_cache(
           batch_size, max_length, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-          page_size=page_size, num_pages=num_pages, dtype=dtype))
+          page_size=page_size, num_pages=num_pages, dtype=dtype,
+          pool_sharding=_heads.kv_cache_sharding(self.key.kernel[...], 4, 1)))
       self.cached_key = self.cached_value = self.cache_index = nnx.data(None)
       return
     if isinstance(batch_size, (tuple, list)):  # flax's init_cache(input_shape, dtype)
@@ -242,8 +244,10 @@ class MultiHeadAttention(nnx.Module):
       dtype = dtype or self.dtype or self.param_dtype
     K, H = self.num_kv_heads, self.head_dim
     shape = (B, S, K, H) if self.layout == "rows" else (B, K, H, S)
-    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    sharding = _heads.kv_cache_sharding(self.key.kernel[...], 4,
+                                        2 if self.layout == "rows" else 1)
+    self.cached_key = nnx.Cache(zeros(shape, dtype, sharding))
+    self.cached_value = nnx.Cache(zeros(shape, dtype, sharding))
     self.cache_index = nnx.Cache(index)
 
   def set_view(self, deterministic=None, decode=None, batch_size=None, max_length=None):

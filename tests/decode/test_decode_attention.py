@@ -445,6 +445,36 @@ def test_cache_errors_name_the_argument():
     jattn.paged.init_cache(2, 32, num_kv_heads=2, head_dim=8, page_size=0)
 
 
+def test_pool_sharding_errors_name_the_argument():
+  from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+  mesh = AbstractMesh((2, 4), ("data", "model"))  # a layout to check, not to place
+  make = lambda sharding, K=4: jattn.paged.init_cache(2, 32, num_kv_heads=K, head_dim=8,
+                                                      pool_sharding=sharding)
+  with raises(TypeError, "pool_sharding", "NamedSharding", "P(None, 'model')"):
+    make(P(None, "model"))
+  with raises(ValueError, "pool_sharding", "only the kv heads", "P('data', 'model')"):
+    make(NamedSharding(mesh, P("data", "model")))
+  with raises(ValueError, "pool_sharding", "only the kv heads", "P(None, None, 'model')"):
+    make(NamedSharding(mesh, P(None, None, "model")))
+  with raises(ValueError, "pool_sharding", "('model',) (4 devices)", "num_kv_heads = 2"):
+    make(NamedSharding(mesh, P(None, "model")), K=2)
+  with raises(ValueError, "pool_sharding", "('data', 'model') (8 devices)", "num_kv_heads = 4"):
+    make(NamedSharding(mesh, P(None, ("data", "model"))))
+
+
+def test_a_pool_sharding_on_one_device_gives_the_same_cache():
+  """The placement changes where pages live, not what they hold."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((1,), ("model",))
+  placed = _cache(pool_sharding=NamedSharding(mesh, P(None, "model")))
+  kv = jnp.asarray(np.random.default_rng(0).standard_normal((2, 20, 2, 8)), jnp.float32)
+  got = jattn.paged.append(placed, kv, kv, jnp.array([20, 9]))
+  want = jattn.paged.append(_cache(), kv, kv, jnp.array([20, 9]))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  assert tuple(got.key_pages.sharding.spec)[:2] == (None, "model")
+
+
 def test_a_refusal_under_jit_leaves_the_cache_and_is_raised_by_check():
   cache = _cache(num_pages=3)
   kv = jnp.ones((2, 10, 2, 8))

@@ -376,10 +376,11 @@ def transformer_case(rng, layout="rows", position_encoding="rope"):
 def sampling_case(rng, cache_dtype=None):
   """The Transformer samples on Explicit axes (weights placed by jattn.sharding, prompts
   over "data"): greedy `generate` through the paged cache (the rows share one page pool,
-  so the cache's bookkeeping and pages stay whole on every device, heads as the pool's),
-  and decoding through the per-row cache (a prompt, then a token); the tokens and logits
-  of the same calls on one device. (The previous-token embedding caches each row's last
-  token between steps.)"""
+  so the cache's bookkeeping stays whole on every device; the pools' kv heads split as
+  the key kernel's, over "model"), and decoding through the per-row cache (a prompt,
+  then a token; its kv heads split the same way); the tokens and logits of the same
+  calls on one device. (The previous-token embedding caches each row's last token
+  between steps.)"""
   from flax import nnx
   import jattn.transformer as tr
   config = tr.TransformerConfig(vocab_size=32, max_len=32, num_layers=1, features=32,
@@ -400,20 +401,26 @@ def sampling_case(rng, cache_dtype=None):
         params, jattn.sharding.state_shardings(params, MESH)), rest)
     x = on(prompts, "data")
     tokens, lengths = sample(sharded, x, on(prompt_lengths, "data"))
+    pool = sharded.blocks[0].attention.paged_cache.get_value()
     sharded.init_cache(B, config.max_len)
     logits = [step(sharded, x), step(sharded, x[:, :1])]
     # the writes keep the cache's type (eagerly a batch-sharded write into it was refused;
     # under jit it changed the cache's type, so the next step compiled again)
     cache = sharded.blocks[0].attention.cached_key[...]
-  same_type = spec_of(cache) == (None,) * 4
+  heads = (None, "model", None, None)
+  split = (spec_of(pool.key_pages) == spec_of(pool.value_pages) == heads
+           and pool.key_pages.addressable_shards[0].data.shape[1] == 1
+           and (cache_dtype is None or spec_of(pool.key_scales) == heads[:2]))
+  same_type = spec_of(cache) == (None, None, "model", None)
   same = (np.array_equal(np.asarray(tokens), np.asarray(want))
           and np.array_equal(np.asarray(lengths), np.asarray(want_lengths)))
   errors = [error(a, b) for a, b in zip(logits, want_logits)]
-  ok = same and same_type and max(errors) <= TOL and spec_of(tokens) == ("data", None)
+  ok = (same and split and same_type and max(errors) <= TOL
+        and spec_of(tokens) == ("data", None))
   kind = "int8" if cache_dtype is not None else "float32"
   return report(f"Transformer sampling on Explicit axes ({kind} pages)", ok,
-                f"tokens {spec_of(tokens)}, the tokens of one device {same}, per-row "
-                f"cache {spec_of(cache)}; max |err| "
+                f"tokens {spec_of(tokens)}, the tokens of one device {same}, pools "
+                f"{spec_of(pool.key_pages)}, per-row cache {spec_of(cache)}; max |err| "
                 f"logits of the per-row cache (prompt, token) = "
                 + ", ".join(f"{e:.1e}" for e in errors))
 

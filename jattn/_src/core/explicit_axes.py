@@ -60,3 +60,15 @@ def laid_out_as(x, like):
   if not (explicit_axes(x)[1] or explicit_axes(like)[1]):
     return x
   return jax.sharding.reshard(x, jax.typeof(like).sharding)
+
+
+def zeros(shape, dtype, sharding=None):
+  """jnp.zeros laid out by `sharding` (a NamedSharding, or None for jax's default) from
+  the start, never whole on one device: placed when called eagerly, and on Explicit axes
+  typed so under jit too (which needs the mesh set there, as any Explicit program)."""
+  z = jnp.zeros(shape, dtype, device=sharding)
+  if sharding is None:
+    return z
+  if axes_of(sharding.mesh, AxisType.Explicit):
+    return jax.sharding.reshard(z, sharding)  # device= alone is not kept under jit
+  return jax.lax.with_sharding_constraint(z, sharding)

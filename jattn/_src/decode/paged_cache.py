@@ -35,6 +35,7 @@ refused whole (the cache stays as it was) and its bit is set in `error`;
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jattn._src.core.explicit_axes import explicit_axes, explicit_sharding, unsharded
+from jattn._src.core.explicit_axes import explicit_axes, explicit_sharding, unsharded, zeros
 
 # A block-table entry with no page: negative, so it can never name a pool page.
 NO_PAGE = -1
@@ -114,7 +115,7 @@ jax.tree_util.register_dataclass(
 def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim: int,
                value_dim: int | None = None, page_size: int = 16,
                num_pages: int | None = None, dtype=jnp.float32,
-               value_dtype=None) -> PagedKVCache:
+               value_dtype=None, pool_sharding: NamedSharding | None = None) -> PagedKVCache:
   """An empty cache: B rows of up to max_length tokens sharing a pool of num_pages pages.
 
   num_pages defaults to enough for every row at max_length (the dense cache's
@@ -123,6 +124,11 @@ def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim:
   pages with float32 scales per (page, kv head) (the module docstring), half the
   bytes of bfloat16 ones; decode_attention then takes a float query and computes
   in its dtype.
+
+  pool_sharding: a NamedSharding of the pools [P, K, page_size, H] that splits only
+  their kv heads, e.g. NamedSharding(mesh, P(None, "model")): each device then holds
+  1 / its share of every page, made so (never whole on one device). The block table,
+  lengths and free list stay whole on every device, since every row may take any page.
   """
   for name, value in (("batch_size", batch_size), ("max_length", max_length),
                       ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
@@ -141,15 +147,43 @@ def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim:
     if not (jnp.issubdtype(d, jnp.floating) or d == jnp.int8):
       raise TypeError(f"init_cache: {name} must be a floating-point dtype or jnp.int8, "
                       f"got {d}")
-  scales = lambda d: jnp.zeros((P, K), jnp.float32) if d == jnp.int8 else None
+  _check_pool_sharding(pool_sharding, K)
+  scales_sharding = None if pool_sharding is None else NamedSharding(
+      pool_sharding.mesh, PartitionSpec(None, _heads_entry(pool_sharding)))
+  scales = lambda d: zeros((P, K), jnp.float32, scales_sharding) if d == jnp.int8 else None
   return PagedKVCache(
-      key_pages=jnp.zeros((P, K, page_size, head_dim), dtypes["dtype"]),
-      value_pages=jnp.zeros((P, K, page_size, D), dtypes["value_dtype"]),
+      key_pages=zeros((P, K, page_size, head_dim), dtypes["dtype"], pool_sharding),
+      value_pages=zeros((P, K, page_size, D), dtypes["value_dtype"], pool_sharding),
       block_table=jnp.full((batch_size, max_pages), NO_PAGE, jnp.int32),
       lengths=jnp.zeros((batch_size,), jnp.int32),
       page_free=jnp.ones((P,), bool),
       error=jnp.zeros((), jnp.int32),
       key_scales=scales(dtypes["dtype"]), value_scales=scales(dtypes["value_dtype"]))
+
+
+def _heads_entry(sharding: NamedSharding):
+  spec = tuple(sharding.spec)
+  return spec[1] if len(spec) > 1 else None
+
+
+def _check_pool_sharding(sharding, num_kv_heads: int) -> None:
+  if sharding is None:
+    return
+  if not isinstance(sharding, NamedSharding):
+    raise TypeError(f"init_cache: pool_sharding must be a jax.sharding.NamedSharding of the "
+                    f"pools [P, K, page_size, H], got {sharding!r}")
+  spec = tuple(sharding.spec)
+  if len(spec) > 4 or any(entry is not None for i, entry in enumerate(spec) if i != 1):
+    raise ValueError(f"init_cache: pool_sharding may split only the kv heads, axis 1 of "
+                     f"the pools [P, K, page_size, H] (every row may take any page, any "
+                     f"slot), got spec {sharding.spec}")
+  heads = _heads_entry(sharding)
+  names = () if heads is None else (heads,) if isinstance(heads, str) else tuple(heads)
+  devices = math.prod(sharding.mesh.shape[name] for name in names)
+  if num_kv_heads % devices:
+    raise ValueError(f"init_cache: pool_sharding splits the kv heads over {names} "
+                     f"({devices} devices), which does not divide num_kv_heads = "
+                     f"{num_kv_heads}")
 
 
 def _concrete(*xs) -> bool:
@@ -288,7 +322,7 @@ def append(cache: PagedKVCache, key, value, new_tokens=None) -> PagedKVCache:
 @jax.jit
 def _append(cache: PagedKVCache, key, value, new_tokens):
   """-> (append's cache, or as it was with `error` flagged; the request's error bits)."""
-  M, ps, K, T = cache.max_pages, cache.page_size, cache.key_pages.shape[1], key.shape[1]
+  M, ps, T = cache.max_pages, cache.page_size, key.shape[1]
   # the rows share one free list: their counts whole on every device (Explicit axes)
   new_tokens = jnp.minimum(jnp.maximum(unsharded(new_tokens).astype(jnp.int32), 0), T)
   grown, bits = _allocate(cache, new_tokens)
@@ -298,10 +332,10 @@ def _append(cache: PagedKVCache, key, value, new_tokens):
   written = (jnp.arange(T)[None, :] < new_tokens[:, None]) & ~refused  # [B, T]
   page = jnp.where(written & (page != NO_PAGE), page, cache.num_pages)  # out of range: dropped
   slot = pos % ps
-  # token (b, t) of head k goes to [page[b, t], k, slot[b, t]]: index [B, T, 1] against
-  # the heads [K] broadcasts to the [B, T, K] entries key[b, t, k] fills
-  heads = jnp.arange(K, dtype=jnp.int32)
-  at = (page[..., None], heads, slot[..., None])
+  # token (b, t) goes to [page[b, t], :, slot[b, t]]: the two index arrays [B, T] around
+  # the heads' slice select the [B, T, K, H] entries key fills (the K axis a slice, so it
+  # keeps the pool's sharding on Explicit axes)
+  at = (page, slice(None), slot)
   out = {}
   for name, x in (("key", key), ("value", value)):
     pool, scales = getattr(grown, name + "_pages"), getattr(grown, name + "_scales")

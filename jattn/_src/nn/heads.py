@@ -115,6 +115,22 @@ def default_out_sharding(x, layout: str):
   return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
+def kv_cache_sharding(key_kernel, rank: int, heads_axis: int):
+  """A KV cache's sharding on Explicit axes: its kv-head axis (heads_axis of its rank)
+  split as the key kernel's [F, K, H] K, so each device caches the heads it projects
+  (and holds 1 / its share of the cache); None where that K is on no Explicit axis."""
+  sharding = explicit_sharding(key_kernel)
+  heads = None if sharding is None else sharding.spec[1]
+  if heads is None:
+    return None
+  placed = getattr(key_kernel, "sharding", None) if not isinstance(
+      key_kernel, jax.core.Tracer) else None
+  mesh = placed.mesh if isinstance(placed, NamedSharding) else sharding.mesh  # eager: placed
+  spec = [None] * rank
+  spec[heads_axis] = heads
+  return NamedSharding(mesh, PartitionSpec(*spec))
+
+
 def check_heads(num_heads: int, qkv_features: int, num_kv_heads: int) -> int:
   """Returns the depth per head H = qkv_features // num_heads."""
   for name, v in (("num_heads", num_heads), ("qkv_features", qkv_features),
