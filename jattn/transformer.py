@@ -20,7 +20,7 @@ from flax import nnx
 
 import jattn.nnx
 from jattn import mods
-from jattn._src.core.explicit_axes import explicit_sharding, laid_out_as
+from jattn._src.core.explicit_axes import explicit_sharding, laid_out_as, whole_along
 from jattn.rope import DEFAULT_BASE, rope_heads
 
 POSITION_ENCODINGS = ("learned", "rope", "none")
@@ -337,17 +337,20 @@ class Transformer(nnx.Module):
     """[B, T, F]: the embedding of each token's predecessor (zeros at position 0);
     with decode=True the first one is the last token cached for its row."""
     B, T = tokens.shape
-    # on Explicit axes sharded as the tokens' rows, as concatenate needs (the cached
-    # token is laid out as the cache, and goes back so)
-    first = (laid_out_as(self.last_token[...], tokens[:, 0]) if decode
-             else jnp.zeros_like(tokens[:, 0]))  # [B]
-    previous = jnp.concatenate([first[:, None], tokens[:, :-1]], axis=1)  # [B, T]
+    # on Explicit axes the (small) tokens whole along T, which a sequence split would
+    # cut unevenly, and their rows sharded as the tokens' (the cached token is laid out
+    # as the cache, and goes back so); the result laid out as the tokens again
+    whole = whole_along(tokens, 1)
+    first = (laid_out_as(self.last_token[...], whole[:, 0]) if decode
+             else jnp.zeros_like(whole[:, 0]))  # [B]
+    previous = jnp.concatenate([first[:, None], whole[:, :-1]], axis=1)  # [B, T]
     has_previous = (start[:, None] + jnp.arange(T)[None, :]) > 0  # [B, T]
     if decode:
       n = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
       n = laid_out_as(n, first)
-      last = jnp.take_along_axis(tokens, jnp.clip(n - 1, 0, T - 1)[:, None], axis=1)[:, 0]
+      last = jnp.take_along_axis(whole, jnp.clip(n - 1, 0, T - 1)[:, None], axis=1)[:, 0]
       self.last_token[...] = laid_out_as(jnp.where(n > 0, last, first), self.last_token[...])
+    previous = laid_out_as(previous, tokens)
     return jnp.where(has_previous[:, :, None], _lookup(self.previous_embed, previous), 0.0)
 
   def generate(self, prompts, prompt_lengths, max_new_tokens: int, rng, *,
@@ -375,9 +378,18 @@ class Transformer(nnx.Module):
 
   def take(self, hidden, positions):
     """hidden [B, T, F] or [B, F, T], positions int [B, P] -> [B, P, F] or [B, F, P]."""
-    if self.config.layout == "rows":
-      return jnp.take_along_axis(hidden, positions[:, :, None], axis=1)
-    return jnp.take_along_axis(hidden, positions[:, None, :], axis=2)
+    rows = self.config.layout == "rows"
+    sharding = explicit_sharding(positions, new_axes=1)  # [B, P, F] laid out as positions
+    if sharding is None:
+      if rows:
+        return jnp.take_along_axis(hidden, positions[:, :, None], axis=1)
+      return jnp.take_along_axis(hidden, positions[:, None, :], axis=2)
+    # on Explicit axes jax cannot infer the sharding of a gather by sharded positions
+    # (along a T that may be sharded too): the rows are laid out as the positions
+    b = jnp.arange(positions.shape[0])[:, None]  # [B, 1]
+    at = (b, positions) if rows else (b, slice(None), positions)  # both give [B, P, F]
+    taken = hidden.at[at].get(out_sharding=sharding)
+    return taken if rows else jnp.swapaxes(taken, 1, 2)
 
   def logits(self, hidden):
     """hidden [B, T, F] or [B, F, T] -> logits float32 [B, T, V] (the LM head)."""

@@ -32,11 +32,12 @@ def explicit_axes(x) -> tuple:
 
 def explicit_sharding(x, new_axes: int = 0):
   """x's sharding, with `new_axes` unsharded axes appended, as the out_sharding of an op
-  whose result is laid out as x (plus new trailing axes); None when x is sharded over no
-  Explicit axis, where jax infers the result's sharding itself. For ops jax cannot infer
-  it for on Explicit axes: a contraction over a sharded axis, a gather by sharded ids."""
-  mesh, used = explicit_axes(x)
-  if not used:
+  whose result is laid out as x (plus new trailing axes); None when x's type has no mesh
+  of Explicit axes, where jax infers the result's sharding itself. For ops jax cannot
+  infer it for on Explicit axes: a contraction over a sharded axis, a gather by sharded
+  ids. (x itself may be replicated there, while the other operand is sharded.)"""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  if mesh is None or mesh.empty or not axes_of(mesh, AxisType.Explicit):
     return None
   spec = tuple(jax.typeof(x).sharding.spec)
   spec += (None,) * (jnp.ndim(x) - len(spec) + new_axes)  # a spec may leave trailing axes out
@@ -72,3 +73,15 @@ def zeros(shape, dtype, sharding=None):
   if axes_of(sharding.mesh, AxisType.Explicit):
     return jax.sharding.reshard(z, sharding)  # device= alone is not kept under jit
   return jax.lax.with_sharding_constraint(z, sharding)
+
+
+def whole_along(x, axis: int):
+  """x with `axis` unsharded (gathered) and its other axes as they were, where x is
+  sharded over Explicit axes; x itself elsewhere. For a small array sliced or shifted
+  along an axis that may be split (jax cannot slice a sharded axis unevenly)."""
+  sharding = explicit_sharding(x)
+  if sharding is None or sharding.spec[axis] is None:
+    return x
+  spec = list(sharding.spec)
+  spec[axis] = None
+  return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
