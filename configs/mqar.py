@@ -30,6 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.data = -1  # devices on the batch axis B (-1: all that model and seq leave)
   config.mesh.model = 1  # devices on the heads and MLP hidden units (tensor parallel)
   config.mesh.seq = 1  # devices on the sequence axis T (ring attention)
+  # "auto": the compiler shards the intermediates (GSPMD); "explicit": every array's
+  # sharding in its type (jax.make_mesh's default; docs/scaling.md)
+  config.mesh.axis_types = "auto"
   # optimisation
   config.batch_size = 16  # B: examples per step, split over mesh.data devices
   config.num_steps = 1500  # training steps

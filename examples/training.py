@@ -104,6 +104,12 @@ def check_config(config) -> None:
                      f"{config.warmup_steps!r}")
 
 
+# Auto axes: shardings of intermediates are left to the compiler (GSPMD); Explicit axes:
+# every array's sharding is part of its type, and the model says it where jax cannot
+# infer it (docs/scaling.md)
+_AXIS_TYPES = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+
+
 def mesh_shape(config) -> tuple[int, int, int]:
   """(data, model, seq) device counts, with data = -1 resolved to what is left."""
   model, seq = config.mesh.model, config.mesh.seq
@@ -120,6 +126,9 @@ def check_mesh(config) -> None:
                                  or config.mesh.data <= 0):
     raise ValueError(f"config.mesh.data must be -1 or a positive int, got "
                      f"{config.mesh.data!r}")
+  if config.mesh.axis_types not in _AXIS_TYPES:
+    raise ValueError(f"config.mesh.axis_types must be one of {sorted(_AXIS_TYPES)}, got "
+                     f"{config.mesh.axis_types!r}")
   data, model, seq = mesh_shape(config)
   devices = jax.device_count()
   if data * model * seq != devices:
@@ -148,9 +157,8 @@ def check_mesh(config) -> None:
 
 def make_mesh(config) -> jax.sharding.Mesh:
   """The ("data", "model", "seq") mesh of config.mesh over every device."""
-  # Auto axes: shardings of intermediates are left to the compiler (GSPMD)
   return jax.make_mesh(mesh_shape(config), sharding.MESH_AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+                       axis_types=(_AXIS_TYPES[config.mesh.axis_types],) * 3)
 
 
 def model_config(config, *, for_weights: bool = False) -> TransformerConfig:

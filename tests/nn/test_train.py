@@ -163,6 +163,8 @@ def test_constant_schedule_keeps_the_peak_learning_rate():
     ("logit_soft_cap", -1.0, "config.logit_soft_cap must be None or positive, got -1.0"),
     ("mesh.seq", 2, r"config.mesh data x model x seq = -1 x 1 x 2 must use all 1 devices"),
     ("mesh.data", 2, r"config.mesh data x model x seq = 2 x 1 x 1 must use all 1 devices"),
+    ("mesh.axis_types", "manual", r"config.mesh.axis_types must be one of \['auto', "
+                                  r"'explicit'\], got 'manual'"),
     ("lr_schedule", "linear", "config.lr_schedule must be one of"),
     ("embed_init_std", 0.0, "config.embed_init_std must be positive, got 0.0"),
     ("train_query_fraction", 1.5, r"config.train_query_fraction must be None or in \(0, 1\]"),
@@ -191,8 +193,9 @@ from configs import tiny
 config = tiny.get_config()
 config.num_steps, config.warmup_steps = 3, 1
 runs = []
-for i, (data, model, seq) in enumerate({meshes!r}):
+for i, (data, model, seq, axis_types) in enumerate({meshes!r}):
   config.mesh.data, config.mesh.model, config.mesh.seq = data, model, seq
+  config.mesh.axis_types = axis_types
   workdir = f"{{sys.argv[1]}}/{{i}}"
   with jattn.explain_calls() as reports:  # what each attention call ran (traced once)
     state = training.train_and_evaluate(config, workdir)
@@ -219,18 +222,22 @@ def _train_on(devices, meshes, workdir):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("meshes", [
-    [(2, 2, 2)], pytest.param([(8, 1, 1), (2, 2, 2)], marks=pytest.mark.thorough)])
+    [(2, 2, 2, "auto"), (2, 2, 2, "explicit")],
+    pytest.param([(8, 1, 1, "auto"), (2, 2, 2, "auto"), (2, 2, 2, "explicit")],
+                 marks=pytest.mark.thorough)])
 def test_eight_devices_give_the_loss_of_one(tmp_path, meshes):
   """A 2x2x2 mesh (batch over data, heads over model, the sequence over seq by the
   strategy context_parallel_attention chooses: all-gather, since Ulysses cannot split
-  the one head per model device over 2 seq devices and the gathered K/V is small) and,
-  in the slow tier, data parallel over 8 devices: the losses of one device."""
-  [one] = _train_on(1, [(1, 1, 1)], tmp_path / "one")
+  the one head per model device over 2 seq devices and the gathered K/V is small), of
+  Auto axes and of Explicit ones, and, in the slow tier, data parallel over 8 devices:
+  the losses of one device."""
+  [one] = _train_on(1, [(1, 1, 1, "auto")], tmp_path / "one")
   runs = _train_on(8, meshes, tmp_path / "eight")
-  cube = runs[-1]
-  assert cube["kernel_spec"] == "P(None, 'model', None)"  # heads split over model
-  # (the plots' model forms the weights on one device: "xla")
-  assert set(cube["attention"]) - {"xla"} == {"all_gather"}, cube["attention"]
+  for (*shape, _), run in zip(meshes, runs):
+    if shape == [2, 2, 2]:
+      assert run["kernel_spec"] == "P(None, 'model', None)"  # heads split over model
+      # (the plots' model forms the weights on one device: "xla")
+      assert set(run["attention"]) - {"xla"} == {"all_gather"}, run["attention"]
   assert "all_gather" not in one["attention"]
   for run in runs:
     assert [l["step"] for l in run["metrics"]] == [l["step"] for l in one["metrics"]]
