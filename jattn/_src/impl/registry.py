@@ -181,9 +181,10 @@ def preference(call, platform: str) -> tuple[str, ...]:
   # flex_mgpu (Mosaic GPU) after flex_gpu: on an H100 (gpu_h100_bench*.json) within 10% of
   # flex_gpu either way; it takes over where flex_gpu cannot (a jax without Pallas Triton).
   # flex_mgpu_ws, its warp-specialised forward (0.93x cuDNN's causal forward on the H100),
-  # runs only when named: its backward kernels are unchecked on a card, the interpreter
-  # hangs on some document masks (docs/gpu_kernel.md), and an export from a CPU host
-  # cannot tell a Hopper target from an Ampere one.
+  # runs only when named: its backward kernels are unchecked on a card (the interpreter
+  # checks them, documents included, on a host with a core per warpgroup:
+  # docs/gpu_kernel.md), and an export from a CPU host cannot tell a Hopper target from
+  # an Ampere one.
   kernels = {"tpu": ("flex_tpu", "splash"),
              "cuda": ("cudnn", "flex_gpu", "flex_mgpu", "pallas")}.get(platform, ())
   return kernels + generic
