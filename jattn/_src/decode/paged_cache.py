@@ -127,7 +127,7 @@ def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim:
 
   pool_sharding: a NamedSharding of the pools [P, K, page_size, H] that splits only
   their kv heads, e.g. NamedSharding(mesh, P(None, "model")): each device then holds
-  1 / its share of every page, made so (never whole on one device). The block table,
+  its kv heads' part of every page, made so (never whole on one device). The block table,
   lengths and free list stay whole on every device, since every row may take any page.
   """
   for name, value in (("batch_size", batch_size), ("max_length", max_length),

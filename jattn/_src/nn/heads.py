@@ -118,7 +118,7 @@ def default_out_sharding(x, layout: str):
 def kv_cache_sharding(key_kernel, rank: int, heads_axis: int):
   """A KV cache's sharding on Explicit axes: its kv-head axis (heads_axis of its rank)
   split as the key kernel's [F, K, H] K, so each device caches the heads it projects
-  (and holds 1 / its share of the cache); None where that K is on no Explicit axis."""
+  (and holds only their part of the cache); None where that K is on no Explicit axis."""
   sharding = explicit_sharding(key_kernel)
   heads = None if sharding is None else sharding.spec[1]
   if heads is None:
