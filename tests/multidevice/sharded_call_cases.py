@@ -14,10 +14,10 @@ decode_attention over a paged cache, rows and kv heads split, on both kinds of a
 on Explicit axes, the Transformer's training step (rows, rotary positions) and its
 greedy sampling through the paged and the per-row caches, jattn.nnx.MultiHeadAttention
 without an out_sharding and jattn.linen's module; a jax.vmap over an axis sharded on
-Explicit "data". "all" adds a block mask, a query without a batch axis called eagerly (compiled once), and a call
-inside a caller's shard_map over one of the axes, and Auto axes of other names (left
-to the compiler), the Transformer in columns with learned positions, and sampling
-over int8 pages.
+Explicit "data". "all" adds a block mask, a query without a batch axis called eagerly
+(compiled once), and a call inside a caller's shard_map over one of the axes, and Auto
+axes of other names (left to the compiler), the Transformer in columns with learned
+positions, and sampling over int8 pages.
 
 Run by tests/multidevice/test_sharded_call.py in a subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8. One "ok  "/"FAIL" line per

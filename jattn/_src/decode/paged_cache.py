@@ -44,6 +44,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jattn._src.core.explicit_axes import explicit_axes, explicit_sharding, unsharded, zeros
+from jattn._src.parallel.mesh import axes_at
 
 # A block-table entry with no page: negative, so it can never name a pool page.
 NO_PAGE = -1
@@ -148,8 +149,8 @@ def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim:
       raise TypeError(f"init_cache: {name} must be a floating-point dtype or jnp.int8, "
                       f"got {d}")
   _check_pool_sharding(pool_sharding, K)
-  scales_sharding = None if pool_sharding is None else NamedSharding(
-      pool_sharding.mesh, PartitionSpec(None, _heads_entry(pool_sharding)))
+  scales_sharding = None if pool_sharding is None else NamedSharding(  # [P, K]: the pools'
+      pool_sharding.mesh, PartitionSpec(*tuple(pool_sharding.spec)[:2]))
   scales = lambda d: zeros((P, K), jnp.float32, scales_sharding) if d == jnp.int8 else None
   return PagedKVCache(
       key_pages=zeros((P, K, page_size, head_dim), dtypes["dtype"], pool_sharding),
@@ -159,11 +160,6 @@ def init_cache(batch_size: int, max_length: int, *, num_kv_heads: int, head_dim:
       page_free=jnp.ones((P,), bool),
       error=jnp.zeros((), jnp.int32),
       key_scales=scales(dtypes["dtype"]), value_scales=scales(dtypes["value_dtype"]))
-
-
-def _heads_entry(sharding: NamedSharding):
-  spec = tuple(sharding.spec)
-  return spec[1] if len(spec) > 1 else None
 
 
 def _check_pool_sharding(sharding, num_kv_heads: int) -> None:
@@ -177,8 +173,7 @@ def _check_pool_sharding(sharding, num_kv_heads: int) -> None:
     raise ValueError(f"init_cache: pool_sharding may split only the kv heads, axis 1 of "
                      f"the pools [P, K, page_size, H] (every row may take any page, any "
                      f"slot), got spec {sharding.spec}")
-  heads = _heads_entry(sharding)
-  names = () if heads is None else (heads,) if isinstance(heads, str) else tuple(heads)
+  names = axes_at(sharding.spec, 1, sharding.mesh.axis_names)
   devices = math.prod(sharding.mesh.shape[name] for name in names)
   if num_kv_heads % devices:
     raise ValueError(f"init_cache: pool_sharding splits the kv heads over {names} "
