@@ -473,6 +473,9 @@ def test_a_pool_sharding_on_one_device_gives_the_same_cache():
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
   assert tuple(got.key_pages.sharding.spec)[:2] == (None, "model")
+  with jax.set_mesh(mesh):  # under jit (the mesh set, as any Explicit program) too
+    jitted = jax.jit(lambda: _cache(pool_sharding=NamedSharding(mesh, P(None, "model"))))()
+  assert tuple(jax.typeof(jitted.key_pages).sharding.spec)[:2] == (None, "model")
 
 
 def test_a_refusal_under_jit_leaves_the_cache_and_is_raised_by_check():
