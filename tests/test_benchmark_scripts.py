@@ -163,4 +163,6 @@ def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
   assert not result["errors"] and not result["skipped"], result["errors"]
   assert {r["case"] for r in result["values"]} >= {"causal_gqa_8_2_grad",
                                                    "documents_4_soft_cap_gqa_8_2_grad"}
+  assert [r["impl"] for r in result["values"] if r["impl"].startswith("default:")] == [
+      "default:flex_gpu"]  # no GPU seen here: the portable CUDA choice
   assert {"flex_mgpu", "flex_mgpu:tiles"} <= {r["contender"] for r in result["speed"]}

@@ -14,7 +14,9 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    default backward (flex_mgpu's kernels) and by its warp-specialised dq and dk/dv kernels
    (flex_mgpu.ws_dq, ws_dkv: "flex_mgpu_ws:bwd"), against float64, relative to the
    largest entry within 2e-2; with them, Mosaic GPU's own ptxas report of the fast
-   kernels (registers, spills, setmaxnreg honoured or not: JSON "ptxas"). Out error
+   kernels (registers, spills, setmaxnreg honoured or not: JSON "ptxas"); and the
+   documents-with-soft-cap gradient by implementation=None ("default:<what explain
+   names>": flex_mgpu_ws on a Hopper card, registry.hopper_fast_path). Out error
    bound: 4 x the
    error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
 2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
@@ -208,6 +210,18 @@ def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcon
     row = dict(case=f"{case}_grad", impl=label, passed=False, error=_error(e))
     say(f"[grad]   {case} {label} ERROR {row['error'][:600]}")
   out["values"].append(row)
+
+
+def default_choice(args) -> str:
+  """What implementation=None runs on "cuda" for the documents-with-soft-cap gradient case
+  (jattn.explain on its shapes: flex_mgpu_ws on a Hopper card, flex_gpu where no GPU is
+  seen)."""
+  T, H = (128, 64) if args.smoke else (512, 128)
+  q = jax.ShapeDtypeStruct((1, T, 8, H), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, T, 2, H), jnp.bfloat16)
+  ids = jnp.zeros((1, T), jnp.int32)
+  return str(jattn.explain(q, kv, kv, mask_mod=mods.document(ids),
+                           score_mod=mods.soft_cap(SOFT_CAP)).implementation("cuda"))
 
 
 @contextlib.contextmanager
@@ -488,6 +502,9 @@ def main(argv=None):
       check_grad(args, out, deadline, impls[0], case=case)
       if FAST in impls:
         check_grad(args, out, deadline, FAST, f"{FAST}:bwd", _fast_backward, case=case)
+    # implementation=None, which on a Hopper card takes flex_mgpu_ws (bfloat16, H = 128:
+    # registry.hopper_fast_path), labelled with what jattn.explain names for "cuda"
+    check_grad(args, out, deadline, None, f"default:{default_choice(args)}", case=GRAD_CASES[1])
     backward_first = [job for job in jobs if job[2]] + [job for job in jobs if not job[2]]
     measure_speed(args, out, deadline, impls, backward_first[:2])
     check_values(args, out, deadline, impls, names[1:])

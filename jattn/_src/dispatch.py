@@ -6,7 +6,9 @@ is made for every platform in `registry.PLATFORMS`, statically, from the call
 alone, and `per_platform` puts the distinct choices under
 `jax.lax.platform_dependent`: only the branch of the platform being lowered
 is lowered. When every platform makes the same choice, no branch is built.
-`jax.devices()` takes no part.
+`jax.devices()` takes no part in the platform. Inside the CUDA branch one choice reads
+the GPU the process sees (`registry.hopper_fast_path`: a kernel that runs on Hopper
+only, first there); with none seen, the branch stays portable.
 """
 
 from __future__ import annotations

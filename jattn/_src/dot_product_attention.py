@@ -67,13 +67,15 @@ def dot_product_attention(
       on CPU "blockwise" from T * S >= 128 * 128 and "xla" below; on GPU
       "cudnn", else "flex_gpu", else "flex_mgpu", else "pallas", where they
       apply; on TPU "flex_tpu", else "splash"; then "xla" or "blockwise" by the
-      logits' size; see `jattn/_src/impl/registry.py`), "xla" (einsum), "vmap"
+      logits' size; on a Hopper GPU the process sees, "flex_mgpu_ws" after cuDNN
+      for bfloat16 with H = D = 128; see `jattn/_src/impl/registry.py`), "xla"
+      (einsum), "vmap"
       (single-head attention under jax.vmap), "blockwise" (flash-style, memory
       linear in T and S, no weights), "cudnn" (jax.nn's fused GPU kernel),
       "splash" (jax's TPU splash kernel), "pallas" (jax's Pallas GPU flash
       kernel), "flex_tpu" / "flex_gpu" / "flex_mgpu" (jattn's own Pallas
       kernels with the mods inside: TPU, Triton GPU, Mosaic GPU),
-      "flex_mgpu_ws" (flex_mgpu's warp-specialised Hopper forward, when named)
+      "flex_mgpu_ws" (flex_mgpu's warp-specialised Hopper forward)
       -- the kernels raise a ValueError naming the argument they cannot honour -- or
       "ring" (sequence-parallel over the
       "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`),

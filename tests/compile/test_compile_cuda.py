@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import pytest
 
 import jattn
-from jattn._src import deviceless_cuda
-from jattn._src.kernels import flex_gpu
+from jattn._src import compat, deviceless_cuda
+from jattn._src.kernels import flex_gpu, flex_mgpu
 from tests.kernels.test_gpu import CASES, _case
 
 pytestmark = [
@@ -164,6 +164,23 @@ def _id(row):
 @pytest.mark.parametrize("row", DEFAULT, ids=_id)
 def test_compiles_with_the_kernels_explain_names(row):
   check_compiles(*row)
+
+
+@pytest.mark.skipif(compat.missing("pallas_mosaic_gpu_ws") is not None,
+                    reason=f"no warp-specialised Mosaic GPU API: "
+                           f"{compat.missing('pallas_mosaic_gpu_ws')}")
+def test_the_default_on_a_hopper_gpu_compiles_ws_with_flex_mgpus_backward(monkeypatch):
+  """Where the process sees a Hopper GPU (patched here: none is seen), implementation=None
+  takes flex_mgpu_ws for a mask function in bfloat16 at H = 128; its gradient program
+  compiles for an H100 with the warp-specialised forward and flex_mgpu's dq and dk/dv."""
+  monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: (9, 0))
+  fn, args, kw = _program("h128", "bfloat16", "mods_document", None, grad=True)
+  assert jattn.explain(*args, **kw).implementation("cuda") == "flex_mgpu_ws"
+  text = deviceless_cuda.compile_for("h100", fn, *args).as_text()
+  mosaic = {line for line in text.splitlines() if f'custom_call_target="{_MOSAIC}"' in line}
+  kernels = {name for line in mosaic
+             for name in re.findall(r"jattn_flex_mgpu_(?:ws_fwd|fwd|dq|dkv)(?=_mosaic_gpu)", line)}
+  assert kernels == {"jattn_flex_mgpu_ws_fwd", "jattn_flex_mgpu_dq", "jattn_flex_mgpu_dkv"}, kernels
 
 
 @pytest.mark.thorough

@@ -263,12 +263,12 @@ def test_a_gpu_before_hopper_is_refused(monkeypatch):
   """The plan reads the compute capability of a GPU this process sees (none here)."""
   from jattn._src.kernels import flex_mgpu
   q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
-  monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (8, 0))
+  monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: (8, 0))
   report = jattn.explain(q, q, q, implementation="flex_mgpu", is_causal=True)
   if compat.missing("pallas_mosaic_gpu") is None:
     assert ("this GPU has compute capability 8.0: TMA and wgmma need 9.0 (Hopper) or newer; "
             "flex_gpu runs there") in str(report), str(report)
-  monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (9, 0))
+  monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: (9, 0))
   assert "compute capability" not in str(jattn.explain(q, q, q, implementation="flex_mgpu"))
 
 
@@ -332,22 +332,51 @@ def test_ws_backward_export_has_the_warp_specialised_kernels():
     assert kernels(_exported_ws(kw, "grad", 256, T=200)) == {"ws_fwd", "dq", "dkv"}
 
 
-def test_ws_is_named_only_and_hopper_only(monkeypatch):
-  """flex_mgpu_ws is never the default and refuses a GPU other than Hopper."""
+def test_ws_refuses_a_gpu_other_than_hopper(monkeypatch):
+  """flex_mgpu_ws, named, refuses a GPU other than Hopper, with the reason."""
   from jattn._src.kernels import flex_mgpu
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
-  report = jattn.explain(q, q, q, mask_mod=mods.causal())
-  assert "flex_mgpu_ws" not in report.implementation("cuda")
   reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws")
   for capability, words in (((8, 0), "TMA and wgmma need 9.0"),
                             ((10, 0), "written for Hopper's wgmma and setmaxnreg (9.x)")):
-    monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda c=capability: c)
+    monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda c=capability: c)
     text = str(jattn.explain(q, q, q, implementation="flex_mgpu_ws", is_causal=True))
     assert (reason or words) in text, text
-  monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (9, 0))
+  monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: (9, 0))
   report = jattn.explain(q, q, q, implementation="flex_mgpu_ws", is_causal=True)
   if reason is None:
     assert report.implementation("cuda") == "flex_mgpu_ws", str(report)
+
+
+@pytest.mark.parametrize("capability, dtype, heads, default", [
+    ((9, 0), jnp.bfloat16, 128, "flex_mgpu_ws"),  # a Hopper GPU, what the H100 run checked
+    (None, jnp.bfloat16, 128, "flex_gpu"),  # no GPU seen (an export): portable
+    ((8, 0), jnp.bfloat16, 128, "flex_gpu"),  # Ampere: flex_gpu, ws not even tried
+    ((10, 0), jnp.bfloat16, 128, "flex_gpu"),  # Blackwell
+    ((9, 0), jnp.bfloat16, 64, "flex_gpu"),  # outside what the card checked
+    ((9, 0), jnp.float16, 128, "flex_gpu"),
+])
+def test_the_default_takes_ws_on_hopper_within_what_the_card_checked(
+    monkeypatch, capability, dtype, heads, default):
+  """implementation=None on CUDA, for a mask function: flex_mgpu_ws before flex_gpu where
+  the process sees a Hopper GPU and the call is bfloat16 with H = D = 128, with the
+  figures in explain's "why"; flex_gpu elsewhere (a jax without ws's API: flex_gpu, and
+  the reason among those passed over)."""
+  from jattn._src.kernels import flex_mgpu
+  monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: capability)
+  q = jax.ShapeDtypeStruct((1, 256, 4, heads), dtype)
+  report = jattn.explain(q, q, q, mask_mod=mods.document(jnp.zeros((1, 256), jnp.int32)))
+  choice = report.choices["cuda"]
+  tried = [name for name, _ in choice.passed_over]
+  reason = compat.missing("pallas_mosaic_gpu") or compat.missing("pallas_mosaic_gpu_ws")
+  if default == "flex_mgpu_ws" and reason is not None:
+    assert choice.implementation == "flex_gpu" and "flex_mgpu_ws" in tried, str(report)
+    return
+  assert choice.implementation == default, str(report)
+  if default == "flex_mgpu_ws":
+    assert "0.49x to 0.75x of flex_gpu's forward time" in str(report), str(report)
+  else:
+    assert "flex_mgpu_ws" not in tried, str(report)
 
 
 @needs_ws
@@ -356,7 +385,7 @@ def test_ws_dkv_query_rows_follow_the_mods(monkeypatch):
   mask_mod that divides (with 64 they spilled: the compile tier), 64 otherwise;
   ws_dkv_rows forces either and refuses another count, naming it."""
   from jattn._src.kernels import flex_mgpu
-  monkeypatch.setattr(flex_mgpu, "_gpu_capability", lambda: (9, 0))
+  monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: (9, 0))
   q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   rows = lambda **kw: re.search(r"dkv_rows=(\d+)", str(jattn.explain(
       q, q, q, implementation="flex_mgpu_ws", **kw))).group(1)

@@ -204,6 +204,7 @@ KERNEL_NAMES = {  # implementation -> (a forward kernel, a backward kernel) in t
     "pallas": ("mha_forward", "mha_backward"),
     "flex_gpu": ("jattn_flex_gpu_fwd", "jattn_flex_gpu_dq"),
     "flex_mgpu": ("jattn_flex_mgpu_fwd", "jattn_flex_mgpu_dq"),
+    "flex_mgpu_ws": ("jattn_flex_mgpu_ws_fwd", "jattn_flex_mgpu_dq"),  # flex_mgpu's backward
 }
 
 
@@ -214,6 +215,8 @@ def kernels_in(text: str) -> str:
   # a Triton call's kernel name is its `name` attribute (the serialized kernels also carry
   # source locations, which may name other kernels' functions)
   kernels = set(re.findall(r'\bname = "(\w+)"', text))
+  if KERNEL_NAMES["flex_mgpu_ws"][0] in text:
+    return "flex_mgpu_ws"
   if KERNEL_NAMES["flex_mgpu"][0] in text:  # a Mosaic GPU call carries its kernel's name
     return "flex_mgpu"
   for name in ("pallas", "flex_gpu"):
@@ -236,6 +239,10 @@ DISPATCH_CASES = (("causal", "bfloat16", "base"), ("none", "float16", "h128"),
                   ("mods_document", "bfloat16", "base"), ("alibi", "bfloat16", "base"),
                   ("window", "bfloat16", "base"), ("segments", "bfloat16", "cross"),
                   ("causal", "float32", "base"), ("empty_rows", "bfloat16", "unaligned"))
+# on a Hopper card, bfloat16 at H = 128 with a mask or score function: flex_mgpu_ws
+# (registry.hopper_fast_path); on the CPU's rehearsal they would repeat flex_gpu's rows
+DISPATCH_CASES += (("mods_document", "bfloat16", "h128"), ("soft_cap", "bfloat16", "h128"),
+                   ("sinks", "bfloat16", "h128")) if ON_GPU else ()
 
 
 @_NEEDS_GPU
@@ -253,7 +260,7 @@ def test_what_runs_is_what_explain_names(case, dtype, shape):
   assert kernels_in(grad_text) == named, f"explain names {named}"
   if named in ("pallas", "flex_gpu"):  # the backward is the kernel's too
     assert KERNEL_NAMES[named][1] in re.findall(r'\bname = "(\w+)"', grad_text)
-  elif named == "flex_mgpu":
+  elif named in ("flex_mgpu", "flex_mgpu_ws"):
     assert KERNEL_NAMES[named][1] in grad_text
   elif named == "cudnn":
     assert re.search(r"__cudnn\$fmha\w*Backward", grad_text)

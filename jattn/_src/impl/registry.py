@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax.numpy as jnp
+
 from jattn._src import compat
 from jattn._src.impl import cudnn, fused, kernel_plans
 from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
@@ -151,8 +153,8 @@ IMPLEMENTATIONS = {
     "flex_mgpu": Implementation(  # jattn's own GPU kernel on Mosaic GPU (Hopper): the same mods
         "flex_mgpu", _flex_plan(flex_mgpu), flex_mgpu_call.run, platforms=("cuda",),
         interpretable=True),
-    # its warp-specialised forward (FlashAttention-3's design): run where named, never
-    # chosen by implementation=None until the dispatch follows the card's figures
+    # its warp-specialised forward (FlashAttention-3's design): implementation=None takes
+    # it on a Hopper GPU within what the H100 run checked (`hopper_fast_path`)
     "flex_mgpu_ws": Implementation(
         "flex_mgpu_ws", _flex_plan(flex_mgpu, fast=True), flex_mgpu_call.run_ws,
         platforms=("cuda",), interpretable=True),
@@ -180,14 +182,41 @@ def preference(call, platform: str) -> tuple[str, ...]:
   # ids, 4.5x (forward) and 8.7x (forward + backward) slower, as it skips no block.
   # flex_mgpu (Mosaic GPU) after flex_gpu: on an H100 (gpu_h100_bench*.json) within 10% of
   # flex_gpu either way; it takes over where flex_gpu cannot (a jax without Pallas Triton).
-  # flex_mgpu_ws, its warp-specialised forward (0.93x cuDNN's causal forward on the H100),
-  # runs only when named: its backward kernels are unchecked on a card (the interpreter
-  # checks them, documents included, on a host with a core per warpgroup:
-  # docs/gpu_kernel.md), and an export from a CPU host cannot tell a Hopper target from
-  # an Ampere one.
-  kernels = {"tpu": ("flex_tpu", "splash"),
-             "cuda": ("cudnn", "flex_gpu", "flex_mgpu", "pallas")}.get(platform, ())
+  # flex_mgpu_ws, its warp-specialised forward, before flex_gpu where `hopper_fast_path`
+  # says so (the GPU the process sees is a Hopper, the call what the H100 run checked).
+  if platform == "tpu":
+    kernels = ("flex_tpu", "splash")
+  elif platform == "cuda":
+    fast = ("flex_mgpu_ws",) if hopper_fast_path(call) else ()
+    kernels = ("cudnn", *fast, "flex_gpu", "flex_mgpu", "pallas")
+  else:
+    kernels = ()
   return kernels + generic
+
+
+# The calls flex_mgpu_ws was checked on, on an H100 (tools/mgpu_fast_check.py,
+# benchmarks/results/gpu_h100_mgpu_fast.json: 15 value checks against float64: causal,
+# documents, a sliding window, chunked, prefix-LM, soft-cap, ALiBi, grouped heads, T != S,
+# unaligned T, empty rows):
+# bfloat16, H = D = 128. Its backward there is flex_mgpu's kernels (checked over
+# tests/kernels/test_gpu.py's cases on the same card).
+_HOPPER_CHECKED = (jnp.dtype(jnp.bfloat16), 128)
+
+
+def hopper_fast_path(call) -> bool:
+  """implementation=None tries flex_mgpu_ws before flex_gpu: the process sees a GPU of
+  compute capability 9.x and the call is bfloat16 with H = D = 128 (as checked on the H100).
+
+  On the H100 it took 0.49x to 0.75x of flex_gpu's forward time (causal, 16 documents,
+  soft-cap; T = 4k and 16k) and 0.85x of the causal forward + backward. Where no GPU is
+  seen (an export from a CPU host), the target's generation is unknown and the order
+  stays portable (flex_gpu runs on Ampere too); an Ampere or Blackwell GPU never gets it.
+  """
+  capability = flex_mgpu.gpu_capability()
+  if capability is None or capability[0] != 9:
+    return False
+  dtype, heads = _HOPPER_CHECKED
+  return (jnp.dtype(call.dtype) == dtype and call.dims.H == heads and call.dims.D == heads)
 
 
 def _window(call) -> bool:
@@ -205,6 +234,12 @@ def _documents(call) -> bool:
 def why_first(call, platform: str, name: str) -> str | None:
   """Why `preference` puts `name` before a kernel that could also take the call, in words
   (`jattn.explain` shows it), or None where no other kernel competes for it."""
+  if platform == "cuda" and name == "flex_mgpu_ws":
+    return ("flex_mgpu_ws before flex_gpu on this Hopper GPU (bfloat16, H = D = 128, as "
+            "checked against float64 on an H100): measured there (bfloat16, N = 16, H = 128, "
+            "T = 4k and 16k), 0.49x to 0.75x of flex_gpu's forward time with causal, 16 "
+            "documents and soft-cap, and 0.85x of its causal forward + backward (the "
+            "backward is flex_mgpu's kernels)")
   if platform != "tpu" or name != "flex_tpu":
     return None
   estimate = "estimated from the TPU compiler's schedule (benchmarks/tpu_schedule.py), not "

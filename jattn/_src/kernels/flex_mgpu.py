@@ -119,7 +119,7 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
     if np.dtype(dtype) == np.float32 and reason.startswith("dtype"):
       reason += " (wgmma would round float32 to TF32; flex_gpu takes float32)"
     return reason
-  capability = _gpu_capability()
+  capability = gpu_capability()
   if capability is not None and capability < (9, 0):
     return (f"this GPU has compute capability {capability[0]}.{capability[1]}: TMA and "
             "wgmma need 9.0 (Hopper) or newer; flex_gpu runs there")
@@ -226,7 +226,7 @@ def ws_kv_tile(block_kv: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _gpu_capability() -> tuple[int, int] | None:
+def gpu_capability() -> tuple[int, int] | None:
   """The compute capability of the GPU this process sees, or None (no GPU: an export from
   a CPU host, where the lowering cannot tell the target's generation)."""
   try:
