@@ -3,6 +3,7 @@ registry (jattn/_src/impl/registry.py), so that a new kernel or a new order cann
 leave dot_product_attention's docstring, the README table or docs/implementations.md
 behind."""
 
+import inspect
 import pathlib
 import re
 import types
@@ -27,8 +28,9 @@ def _quoted(text):
 
 
 def _implementation_paragraph():
-  doc = jattn.dot_product_attention.__doc__
-  return doc[doc.index("    implementation:"):doc.index("    dropout_rate")]
+  # cleaned: Python 3.13 strips a docstring's common indentation when it compiles it
+  doc = inspect.cleandoc(jattn.dot_product_attention.__doc__)
+  return doc[doc.index("  implementation:"):doc.index("  dropout_rate")]
 
 
 def test_the_docstring_names_every_implementation_and_each_platforms_order():
