@@ -124,8 +124,11 @@ def target_config(target: str) -> str:
 
 
 @functools.cache
-def cuda_devices(target: str) -> tuple:
-  """Compile-only CUDA devices (one) of `target` ("h100" or "h200"), for this host."""
+def cuda_devices(target: str, count: int = 1) -> tuple:
+  """Compile-only CUDA devices of `target` ("h100" or "h200"): `count` cards on one host
+  (1 to 8, as in one NVLink node), for this host."""
+  if not isinstance(count, int) or not 1 <= count <= 8:
+    raise ValueError(f"count must be an int from 1 to 8 (the cards of one host), got {count!r}")
   text = target_config(target)
   from jax._src import xla_bridge
   if not getattr(xla_bridge, "_plugins_registered", False):
@@ -135,8 +138,9 @@ def cuda_devices(target: str) -> tuple:
   if reason:
     raise RuntimeError(f"cannot compile for {target}: {reason}")
   from jax.experimental import topologies
+  # topology: slices x hosts x devices per host
   return tuple(topologies.get_topology_desc("", "cuda", target_config=text,
-                                            topology="1x1x1").devices)
+                                            topology=f"1x1x{count}").devices)
 
 
 def sharding(target: str) -> jax.sharding.NamedSharding:
@@ -145,16 +149,28 @@ def sharding(target: str) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def compile_for(target: str, fn, *args, options: dict | None = None):
+def compile_for(target: str, fn, *args, options: dict | None = None,
+                mesh: jax.sharding.Mesh | None = None):
   """`jax.jit(fn)` compiled for `target` on `args` (ShapeDtypeStructs or arrays, pytrees).
 
   options: XLA debug options for this compile only (e.g. {"xla_dump_to": DIR}).
+  A ShapeDtypeStruct with a sharding keeps it (on `cuda_devices(target, count)`); every
+  other argument is replicated over `mesh`, by default one card. mesh, when given, is
+  also set (`jax.set_mesh`) while tracing, for calls that read the ambient mesh.
   Returns jax's `Compiled`: `.as_text()` is the optimized HLO (the kernels' custom
   calls), `.memory_analysis()` the buffers. Raises what the compiler raises.
   """
-  place = sharding(target)
-  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place), args)
-  with _abstract_card(target):
+  place = sharding(target) if mesh is None else jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec())
+
+  def shaped(a):
+    if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is not None:
+      return a
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place)
+
+  shapes = jax.tree.map(shaped, args)
+  with _abstract_card(target), (contextlib.nullcontext() if mesh is None
+                                else jax.set_mesh(mesh)):
     lowered = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
   return lowered.compile(compiler_options=options)
 
