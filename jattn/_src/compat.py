@@ -11,6 +11,7 @@ says why. `load(api)` gives the module or object itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -139,6 +140,29 @@ def vmapped_mesh_axes() -> frozenset:
   Empty outside such a vmap (or where this jax keeps no such record)."""
   from jax._src import core  # private: no public API says it
   return frozenset(getattr(core.get_axis_env(), "explicit_mesh_axis_names", ()))
+
+
+@contextlib.contextmanager
+def host_eval():
+  """A context in which eager ops run on the host even where `jax.set_mesh` set a mesh
+  of compile-only devices (deviceless compiles for a TPU slice or a GPU node), whose
+  devices can hold no data: eager work there fails ("'Executable' object has no
+  attribute 'local_devices'"). No mesh is in context inside, abstract or concrete,
+  inside `jax.jit` too, where `jax.set_mesh(None)` is refused. jax keeps the concrete
+  mesh in a private config state (`device_context`; jax.set_mesh swaps it the same way).
+  """
+  from jax._src import config, mesh as mesh_lib, sharding_impls  # private: no public API
+  devices = getattr(config, "device_context", None) or getattr(
+      sharding_impls, "device_context", None)
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    if devices is None:  # a jax without it: the abstract mesh alone, as before
+      yield
+      return
+    before = devices.swap_local(mesh_lib.empty_concrete_mesh)
+    try:
+      yield
+    finally:
+      devices.set_local(before)
 
 
 def mgpu_load(ref, layout):

@@ -105,10 +105,8 @@ def test_ring_attention_compiles_on_a_node():
     out = jattn.context_parallel_attention(q, k, v, mesh=mesh, strategy="ring", is_causal=True)
     return jnp.sum(out.astype(jnp.float32))
 
-  # (the mesh not set: under a set mesh of compile-only devices the strategy's eager
-  # block classes cannot run, as test_compile_tpu_parallel's xfail says)
-  text = deviceless_cuda.compile_for("h100", jax.value_and_grad(loss, (0, 1, 2)), q, q,
-                                     q).as_text()
+  text = deviceless_cuda.compile_for("h100", jax.value_and_grad(loss, (0, 1, 2)), q, q, q,
+                                     mesh=mesh).as_text()
   assert "collective-permute" in text
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn._src import compat
 from jattn._src.masks import mods as _mods
 from jattn._src.masks.block_mask import EMPTY, FULL, PARTIAL
 from jattn._src.masks.closed_form_blocks import closed_form_classes
@@ -110,9 +111,9 @@ def static_blocks(structure: MaskSpec, mods, B: int, T: int, S: int, bq: int,
   """(bool [T / bq, S / bk] non-empty blocks from the masks known at trace time,
   notes naming each mask that could not be read and so counts as non-empty)."""
   # Evaluated now, on the host: with no mesh in context, as jax >= 0.11 runs no eager op
-  # under an abstract mesh alone (`use_abstract_mesh`, e.g. exporting for a pod).
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), \
-      jax.ensure_compile_time_eval():
+  # under an abstract mesh alone (`use_abstract_mesh`, e.g. exporting for a pod), nor on
+  # a set mesh of compile-only devices (a deviceless compile for a slice)
+  with compat.host_eval(), jax.ensure_compile_time_eval():
     found = parts(structure, mods, B, T, S, bq, bk)
     static, notes = [], []
     for name, table in found:
