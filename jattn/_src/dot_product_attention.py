@@ -69,18 +69,17 @@ def dot_product_attention(
       apply; on TPU "flex_tpu", else "splash"; then "xla" or "blockwise" by the
       logits' size; on a Hopper GPU the process sees, "flex_mgpu_ws" after cuDNN
       for bfloat16 with H = D = 128; see `jattn/_src/impl/registry.py`), "xla"
-      (einsum), "vmap"
-      (single-head attention under jax.vmap), "blockwise" (flash-style, memory
-      linear in T and S, no weights), "cudnn" (jax.nn's fused GPU kernel),
-      "splash" (jax's TPU splash kernel), "pallas" (jax's Pallas GPU flash
-      kernel), "flex_tpu" / "flex_gpu" / "flex_mgpu" (jattn's own Pallas
-      kernels with the mods inside: TPU, Triton GPU, Mosaic GPU),
-      "flex_mgpu_ws" (flex_mgpu's warp-specialised Hopper forward)
-      -- the kernels raise a ValueError naming the argument they cannot honour -- or
-      "ring" (sequence-parallel over the
-      "seq" axis of the mesh set by `jax.set_mesh`: see `jattn.ring_attention`),
-      or "context_parallel" (the same mesh; ring, all-gather or Ulysses chosen
-      per call: `jattn.context_parallel_attention` with strategy=None).
+      (einsum), "vmap" (single-head attention under jax.vmap), "blockwise"
+      (flash-style, memory linear in T and S, no weights), "cudnn" (jax.nn's
+      fused GPU kernel), "splash" (jax's TPU splash kernel), "pallas" (jax's
+      Pallas GPU flash kernel), "flex_tpu" / "flex_gpu" / "flex_mgpu" (jattn's
+      own Pallas kernels with the mods inside: TPU, Triton GPU, Mosaic GPU),
+      "flex_mgpu_ws" (flex_mgpu's warp-specialised Hopper forward) -- the
+      kernels raise a ValueError naming the argument they cannot honour -- or
+      "ring" (sequence-parallel over the "seq" axis of the mesh set by
+      `jax.set_mesh`: see `jattn.ring_attention`), or "context_parallel" (the
+      same mesh; ring, all-gather or Ulysses chosen per call:
+      `jattn.context_parallel_attention` with strategy=None).
       tests/impl/test_docs_match_registry.py holds this list and these orders
       to the registry.
     dropout_rate, dropout_rng: dropout on the attention weights, with inverted

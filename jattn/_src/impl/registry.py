@@ -194,12 +194,11 @@ def preference(call, platform: str) -> tuple[str, ...]:
   return kernels + generic
 
 
-# The calls flex_mgpu_ws was checked on, on an H100 (tools/mgpu_fast_check.py,
-# benchmarks/results/gpu_h100_mgpu_fast.json: 15 value checks against float64: causal,
-# documents, a sliding window, chunked, prefix-LM, soft-cap, ALiBi, grouped heads, T != S,
-# unaligned T, empty rows):
-# bfloat16, H = D = 128. Its backward there is flex_mgpu's kernels (checked over
-# tests/kernels/test_gpu.py's cases on the same card).
+# The calls flex_mgpu_ws was checked on, on an H100: bfloat16, H = D = 128
+# (tools/mgpu_fast_check.py, benchmarks/results/gpu_h100_mgpu_fast.json: 15 value checks
+# against float64: causal, documents, a sliding window, chunked, prefix-LM, soft-cap,
+# ALiBi, grouped heads, T != S, unaligned T, empty rows). Its backward there is
+# flex_mgpu's kernels (checked over tests/kernels/test_gpu.py's cases on the same card).
 _HOPPER_CHECKED = (jnp.dtype(jnp.bfloat16), 128)
 
 
