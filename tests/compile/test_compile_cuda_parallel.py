@@ -3,11 +3,13 @@ devices from this CPU, `deviceless_cuda.cuda_devices("h100", 4)`), compiled by X
 compiler with its collectives (NCCL's), Triton and Mosaic GPU. Letters: B T S N K H.
 
 What it proves: the sharded program compiles for the node, each card runs the kernel on
-its own rows and heads, and the activations are never gathered. What it does not: the
+its own rows and heads (training's kernels, and the paged decoding kernel), and the
+activations are never gathered. What it does not: the
 values and the collectives' speed (nothing runs; the values of the same sharded calls are
 checked on 8 simulated CPU devices, tests/multidevice).
 """
 
+import dataclasses
 import re
 
 import jax
@@ -81,6 +83,35 @@ def test_batch_and_head_sharded_call_runs_the_kernel_per_card_without_gathering(
   assert set(_gathered(text)) <= {f"s32[{B},{T}]"}, _gathered(text)
   for moving in ("all-to-all", "collective-permute"):
     assert moving not in text, moving
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
+def test_paged_decoding_runs_the_kernel_per_card(axis_type):
+  """decode_attention with "paged_gpu" (named: the CUDA default is "split" until a card
+  times it) over a paged cache of bfloat16 pages, the query's rows over "data" and the
+  pools' kv heads over "model", ALiBi and sinks: each card runs the Triton kernel on its
+  rows and heads (the compiler cannot partition a Pallas call), and nothing is gathered."""
+  reason = compat.missing("pallas_triton")
+  if reason:
+    pytest.skip(reason)
+  mesh = _node_mesh({"data": 2, "model": 2}, axis_type)
+  Bd, Nd, Kd, Hd = 4, 8, 2, 128
+  cache = jax.eval_shape(lambda: jattn.paged.init_cache(
+      Bd, 1024, num_kv_heads=Kd, head_dim=Hd, page_size=64, num_pages=48, dtype=jnp.bfloat16))
+  placed = lambda x, *spec: _on(mesh, x.shape, x.dtype, P(*spec))
+  # as a sharded sampler holds them: pools by kv head, the rows' tables by row
+  cache = dataclasses.replace(
+      cache, key_pages=placed(cache.key_pages, None, "model"),
+      value_pages=placed(cache.value_pages, None, "model"),
+      block_table=placed(cache.block_table, "data"), lengths=placed(cache.lengths, "data"))
+  q = _on(mesh, (Bd, 1, Nd, Hd), jnp.bfloat16, P("data", None, "model"))
+  slopes = jax.ShapeDtypeStruct((Nd,), jnp.float32)
+  text = deviceless_cuda.compile_for(
+      "h100", lambda q, cache, slopes: jattn.decode_attention(
+          q, cache, is_causal=True, score_mod=mods.alibi(slopes), sinks=slopes,
+          implementation="paged_gpu"), q, cache, slopes, mesh=mesh).as_text()
+  assert "jattn_paged_decode_gpu" in text
+  assert not _gathered(text), _gathered(text)
 
 
 def test_the_gather_reader_sees_an_activation_gathered():
