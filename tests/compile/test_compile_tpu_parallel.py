@@ -87,6 +87,20 @@ def test_batch_and_head_sharded_call_runs_the_kernel_per_device_without_gatherin
     assert gathering not in text, (gathering, report)
 
 
+def test_splash_on_a_set_mesh_of_the_slice_compiles_per_chip():
+  """implementation="splash" on q sharded over Explicit ("data", "model") of a 2x2 v5e,
+  the mesh set: splash's block tables are made eagerly when its kernel is built, which
+  under a set mesh of compile-only devices failed ("'Executable' object has no attribute
+  'local_devices'") before `compat.host_eval` made them on the host."""
+  devices = np.asarray(deviceless.devices(SLICE), dtype=object).reshape(2, 2)
+  mesh = jax.sharding.Mesh(devices, ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  q = _on(mesh, (4, 1024, 8, 128), jnp.bfloat16, P("data", None, "model"))
+  compiled, report = deviceless.compile_for(SLICE, lambda q: jattn.dot_product_attention(
+      q, q, q, is_causal=True, implementation="splash"), q, mesh=mesh)
+  assert report.kernels == ("splash_mha_fwd_no_residuals",), report
+  assert "all-gather" not in compiled.as_text(), report
+
+
 def test_decode_on_a_data_model_mesh_of_auto_axes_runs_the_kernel_per_chip():
   """decode_attention under a mesh of Auto ("data", "model") axes of a 2x2 v5e: the
   paged kernel cannot be partitioned by the compiler (before: "Mosaic kernels cannot be

@@ -32,8 +32,9 @@ def _splash_kernel(plan: SplashPlan, T: int, S: int, heads: int, mqa: bool,
                         block_kv_dq=bkv)
   make = sk.make_splash_mqa if mqa else sk.make_splash_mha
   # The kernel holds its mask's block tables as arrays; made eagerly, so the
-  # cached kernel never holds a tracer of the call that first built it.
-  with jax.ensure_compile_time_eval():
+  # cached kernel never holds a tracer of the call that first built it, and on the
+  # host (a set mesh of compile-only devices can hold none)
+  with compat.host_eval(), jax.ensure_compile_time_eval():
     return make(mask, block_sizes=sizes, save_residuals=save_residuals,
                 attn_logits_soft_cap=plan.soft_cap, head_shards=1, q_seq_shards=1,
                 interpret=plan.interpret)
