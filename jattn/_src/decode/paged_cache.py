@@ -35,7 +35,6 @@ refused whole (the cache stays as it was) and its bit is set in `error`;
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 
 import jax
@@ -44,7 +43,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jattn._src.core.explicit_axes import explicit_axes, explicit_sharding, unsharded, zeros
-from jattn._src.parallel.mesh import axes_at
+from jattn._src.parallel.mesh import axes_at, devices_along
 
 # A block-table entry with no page: negative, so it can never name a pool page.
 NO_PAGE = -1
@@ -174,7 +173,7 @@ def _check_pool_sharding(sharding, num_kv_heads: int) -> None:
                      f"the pools [P, K, page_size, H] (every row may take any page, any "
                      f"slot), got spec {sharding.spec}")
   names = axes_at(sharding.spec, 1, sharding.mesh.axis_names)
-  devices = math.prod(sharding.mesh.shape[name] for name in names)
+  devices = devices_along(sharding.mesh, names)
   if num_kv_heads % devices:
     raise ValueError(f"init_cache: pool_sharding splits the kv heads over {names} "
                      f"({devices} devices), which does not divide num_kv_heads = "

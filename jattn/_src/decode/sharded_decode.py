@@ -18,13 +18,12 @@ The split: the query's B and N axes on Explicit mesh axes, else the mesh's Auto
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 from jax.sharding import PartitionSpec
 
 from jattn._src.parallel import sharded_call
-from jattn._src.parallel.mesh import placed
+from jattn._src.parallel.mesh import devices_along, placed
 
 __all__ = ["mesh_for", "run"]
 
@@ -38,7 +37,7 @@ def mesh_for(query, cache, mods, choices):
 def _split(query, K: int, mesh):
   """(batch axes, head axes), kept where B, and N with K, divide over them."""
   batch, heads = sharded_call.query_axes(query, 0, 2, mesh)
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  size = lambda axes: devices_along(mesh, axes)
   B, _, N, _ = query.shape
   if B % size(batch):
     batch = ()
@@ -52,8 +51,8 @@ def run(query, cache, mods, q_lengths, *, mesh, mask_mod, score_mod, options,
   """The checked call's out (and max logits, if options asks), each device running
   `decode_attention(**options)` on its rows and heads."""
   batch, heads = _split(query, cache.key_pages.shape[1], mesh)
-  B_local = query.shape[0] // math.prod(mesh.shape[a] for a in batch)
-  N_local = query.shape[2] // math.prod(mesh.shape[a] for a in heads)
+  B_local = query.shape[0] // devices_along(mesh, batch)
+  N_local = query.shape[2] // devices_along(mesh, heads)
   rows, kv = batch or None, heads or None
   pool = PartitionSpec(None, kv)  # [P, K, ...]
   cache_spec = type(cache)(

@@ -8,6 +8,8 @@ gives the output the query's sharding; Auto axes are left to shard_map.
 
 from __future__ import annotations
 
+import math
+
 import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -100,6 +102,11 @@ def axes_at(spec: PartitionSpec, position: int, axes) -> tuple:
   tuple, empty when none; a spec may be shorter than the rank)."""
   kept = _only(spec[position] if position < len(spec) else None, axes)
   return () if kept is None else (kept,) if isinstance(kept, str) else kept
+
+
+def devices_along(mesh, axes) -> int:
+  """How many devices the mesh axes `axes` (names, possibly none) span together."""
+  return math.prod(mesh.shape[a] for a in axes)
 
 
 def _only(entry, axes):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 from jax.sharding import AxisType, PartitionSpec
@@ -44,7 +43,7 @@ from jattn._src import compat
 from jattn._src.call import Call
 from jattn._src.core.explicit_axes import axes_of, explicit_axes
 from jattn._src.core.layout import Layout
-from jattn._src.parallel.mesh import axes_at, home, placed
+from jattn._src.parallel.mesh import axes_at, devices_along, home, placed
 
 __all__ = ["explicit_mesh", "local_mods", "mesh_of_kernels", "mod_arguments", "query_axes", "run",
            "unmanual"]
@@ -101,7 +100,7 @@ def split_of(call: Call, mesh) -> Split:
   Auto "data" and "model" axes; kept where the sizes divide over it."""
   lay, dims = call.layout, call.dims
   batch, heads = query_axes(call.query, lay.axis("B"), lay.axis("N"), mesh)
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  size = lambda axes: devices_along(mesh, axes)
   if dims.B % size(batch):
     batch = ()
   if dims.N % size(heads):
