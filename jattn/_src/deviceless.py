@@ -24,6 +24,8 @@ import re
 import jax
 import numpy as np
 
+from jattn._src import lowering
+
 # One chip of each TPU generation, as libtpu's topology names spell it.
 TPU_TARGETS = {"v5e": "v5e=1x1", "v6e": "v6e=1x1", "v5p": "v5p=1x1x1", "tpu7x": "tpu7x=1x1x1"}
 CUDA_TARGETS = ("h100", "h200")
@@ -104,23 +106,7 @@ def compile_for(target: str, fn, *args, mesh: jax.sharding.Mesh | None = None):
   `mesh`, when given, is also set (`jax.set_mesh`) while tracing, for calls that read
   the ambient mesh (`context_parallel_attention`, the Transformer's rules).
   """
-  platform = platform_of(target)
-  mesh_ = jax.sharding.Mesh(devices(target)[:1], ("x",)) if mesh is None else mesh
-  replicated = jax.sharding.NamedSharding(mesh_, jax.sharding.PartitionSpec())
-
-  def shaped(x):
-    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
-      return x
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated)
-
-  args = jax.tree.map(shaped, args)
-  jitted = jax.jit(fn)
-  if mesh is None:
-    traced = jitted.trace(*args)
-  else:
-    with jax.set_mesh(mesh):
-      traced = jitted.trace(*args)
-  compiled = traced.lower(lowering_platforms=(platform,)).compile()
+  compiled = lowering.lowered_on(platform_of(target), devices(target), fn, args, mesh).compile()
   return compiled, report(target, compiled)
 
 

@@ -51,6 +51,8 @@ import re
 
 import jax
 
+from jattn._src import lowering
+
 # target -> the device_description_str of the plugin's embedded description
 TARGETS = {
     "h100": "NVIDIA H100 80GB HBM3",      # H100 SXM5, 80 GB
@@ -143,12 +145,6 @@ def cuda_devices(target: str, count: int = 1) -> tuple:
                                             topology=f"1x1x{count}").devices)
 
 
-def sharding(target: str) -> jax.sharding.NamedSharding:
-  """An array replicated on `target`'s compile-only device (what an argument needs)."""
-  mesh = jax.sharding.Mesh(list(cuda_devices(target)), ("x",))
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-
 def compile_for(target: str, fn, *args, options: dict | None = None,
                 mesh: jax.sharding.Mesh | None = None):
   """`jax.jit(fn)` compiled for `target` on `args` (ShapeDtypeStructs or arrays, pytrees).
@@ -160,18 +156,8 @@ def compile_for(target: str, fn, *args, options: dict | None = None,
   Returns jax's `Compiled`: `.as_text()` is the optimized HLO (the kernels' custom
   calls), `.memory_analysis()` the buffers. Raises what the compiler raises.
   """
-  place = sharding(target) if mesh is None else jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec())
-
-  def shaped(a):
-    if isinstance(a, jax.ShapeDtypeStruct) and a.sharding is not None:
-      return a
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place)
-
-  shapes = jax.tree.map(shaped, args)
-  with _abstract_card(target), (contextlib.nullcontext() if mesh is None
-                                else jax.set_mesh(mesh)):
-    lowered = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+  with _abstract_card(target):
+    lowered = lowering.lowered_on("cuda", cuda_devices(target), fn, args, mesh)
   return lowered.compile(compiler_options=options)
 
 

@@ -1,4 +1,5 @@
-"""`lowering_for(platform)`: the context a host without that accelerator needs to lower for it.
+"""`lowering_for(platform)`: the context a host without that accelerator needs to lower for it;
+`lowered_on`: a function lowered for a platform on given (compile-only) devices.
 
 From jax 0.11, lowering a Pallas Triton kernel with no GPU present asks for an
 abstract GPU device (jax 0.10 assumed compute capability 9.0 by itself). Inside
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import numpy as np
 
 # The device kind named when no GPU is present: Hopper, the generation jax's
 # Triton lowering assumed before 0.11 (compute capability 9.0).
@@ -51,3 +53,21 @@ def lowering_for(platform: str, device_kind: str = ABSTRACT_GPU_KIND):
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (),
                                                                 abstract_device=device)):
     yield
+
+
+def lowered_on(platform: str, devices_, fn, args, mesh: jax.sharding.Mesh | None):
+  """jax.jit(fn) traced on `args` and lowered for `platform`: a ShapeDtypeStruct with a
+  sharding keeps it, every other leaf is replicated over `mesh`, else the first of
+  `devices_`; `mesh`, when given, is set while tracing."""
+  mesh_ = jax.sharding.Mesh(devices_[:1], ("x",)) if mesh is None else mesh
+  replicated = jax.sharding.NamedSharding(mesh_, jax.sharding.PartitionSpec())
+
+  def shaped(x):
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+      return x
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=replicated)
+
+  args = jax.tree.map(shaped, args)
+  with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+    traced = jax.jit(fn).trace(*args)
+  return traced.lower(lowering_platforms=(platform,))
