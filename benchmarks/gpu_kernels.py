@@ -63,14 +63,19 @@ def visible_fraction(case: str, T: int) -> float:
           if T > WINDOW else causal}.get(case, causal)
 
 
+def case_kwargs(case: str, B: int, T: int, N: int) -> dict:
+  """The dot_product_attention arguments of `case` (the module docstring's list)."""
+  ids = jnp.asarray(np.repeat(np.arange(DOCUMENTS), -(-T // DOCUMENTS))[:T][None].repeat(B, 0))
+  return {"causal": dict(is_causal=True), "no_mask": dict(),
+          "documents": dict(mask_mod=mods.document(ids)),
+          "window": dict(local_window_size=(WINDOW, 0)),
+          "alibi": dict(is_causal=True, score_mod=mods.alibi(mods.alibi_slopes(N))),
+          "soft_cap": dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP))}[case]
+
+
 def jax_contenders(case: str, B: int, T: int, N: int, smoke: bool = False):
   """name -> fn(q, k, v) [B, T, N, H] -> out, for the jax contenders of `case`."""
-  ids = jnp.asarray(np.repeat(np.arange(DOCUMENTS), -(-T // DOCUMENTS))[:T][None].repeat(B, 0))
-  kw = {"causal": dict(is_causal=True), "no_mask": dict(),
-        "documents": dict(mask_mod=mods.document(ids)),
-        "window": dict(local_window_size=(WINDOW, 0)),
-        "alibi": dict(is_causal=True, score_mod=mods.alibi(mods.alibi_slopes(N))),
-        "soft_cap": dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP))}[case]
+  kw = case_kwargs(case, B, T, N)
   attend = lambda impl, **extra: (lambda q, k, v: jattn.dot_product_attention(
       q, k, v, implementation=impl, **{**kw, **extra}))
   out = {"flex_gpu": attend("flex_gpu"), "jattn_default": attend(None)}

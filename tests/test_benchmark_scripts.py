@@ -166,3 +166,7 @@ def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
   assert [r["impl"] for r in result["values"] if r["impl"].startswith("default:")] == [
       "default:flex_gpu"]  # no GPU seen here: the portable CUDA choice
   assert {"flex_mgpu", "flex_mgpu:tiles"} <= {r["contender"] for r in result["speed"]}
+  # every mask of issue 45's goals is timed forward; documents forward + backward too
+  assert {(r["case"], r["pass_"]) for r in result["speed"]} >= {
+      (c, "fwd") for c in ("causal", "documents", "soft_cap", "window", "alibi", "no_mask")
+  } | {(c, "fwd+bwd") for c in ("causal", "soft_cap", "documents")}

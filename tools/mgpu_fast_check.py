@@ -1,10 +1,14 @@
 """The check of "flex_mgpu_ws" (the warp-specialised Mosaic GPU forward) on a lent Hopper
-GPU, in one process and under 4 minutes: its values against float64, then its speed.
+GPU, in one process and under 5 minutes: its values against float64, then its speed.
 
     PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 tools/mgpu_fast_check.py
-        [--out DIR] [--deadline 170] [--lengths 4096 16384] [--rounds 5]
+        [--out DIR] [--deadline 240] [--lengths 4096 16384] [--rounds 5]
     python tools/mgpu_fast_check.py --smoke --out /tmp/rehearsal   # on a CPU: the script
         # runs end to end with the interpretable "flex_mgpu" standing in (tiny shapes)
+    JAX_PLATFORMS=cpu python tools/mgpu_fast_check.py --compile-only h100 --out DIR
+        # on a CPU with the CUDA plugin: every jax program of the card's run compiled for
+        # the card (deviceless_cuda), nothing run; under the card's jax 0.11.2 too, with
+        # JATTN_CUDA_TARGET_CONFIGS (deviceless_cuda.target_config); about 10 minutes
 
 1. values (bfloat16, H = 128): flex_mgpu_ws's out and lse against the float64 NumPy
    reference (tests/reference.py) for causal, 16 documents, a sliding window, soft-cap,
@@ -20,18 +24,19 @@ GPU, in one process and under 4 minutes: its values against float64, then its sp
    bound: 4 x the
    error of rounding the float64 answer to bfloat16 (as tests/kernels/test_flex_mgpu.py).
 2. speed (bfloat16, B = 2, N = 16, H = 128, T = 4096; then 16384 at B = 1 if time is
-   left): causal, 16 documents, soft-cap 30 (causal), forward; flex_mgpu_ws against
-   flex_mgpu, flex_gpu, cuDNN (jax.nn, causal only), jax's attention_mgpu (causal, float16),
-   torch FlexAttention (compiled; its
-   FLASH backend too, where torch has it) and torch SDPA (causal); medians of interleaved
-   rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal forward +
-   backward, and soft-cap's, at the first length (flex_mgpu_ws's backward is flex_mgpu's;
+   left): causal, 16 documents, soft-cap 30 (causal), a 256-key causal window, ALiBi
+   (causal) and no mask, forward (benchmarks/gpu_kernels.py's cases); flex_mgpu_ws against
+   flex_mgpu (causal), flex_gpu, cuDNN (jax.nn: causal, window, no mask), jax's
+   attention_mgpu (causal, float16), torch FlexAttention (compiled; its FLASH backend too,
+   where torch has it) and torch SDPA (causal, no mask); medians of interleaved
+   rounds (benchmarks/gpu_kernels.py's timers), ms, TFLOP/s and ratios; causal, soft-cap
+   and 16 documents forward + backward at the first length (flex_mgpu_ws's backward is flex_mgpu's;
    ":bwd" with the warp-specialised dq and dk/dv kernels, ":bwd:rows32" / ":bwd:rows64"
    with the dk/dv kernel's other query tile); on causal, ":tiles": each Mosaic GPU path
    made to read and write through the to_tiles transposes (kernel_inputs.through_tiles),
    the cost the in-place TMA reads and writes removed.
 Order: causal's values, the gradients, causal and soft-cap forward + backward at T =
-4096, the other values, the other timings. Each case's failure is caught, printed and
+4096, the other values, the other timings (documents' forward + backward first). Each case's failure is caught, printed and
 recorded; the next case runs. New work stops starting after --deadline seconds.
 JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
 """
@@ -47,6 +52,7 @@ import statistics
 import sys
 import time
 import traceback
+from unittest import mock
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the card
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -58,6 +64,7 @@ import numpy as np  # noqa: E402
 
 import jattn  # noqa: E402
 from jattn import mods  # noqa: E402
+from jattn._src import deviceless_cuda  # noqa: E402
 from jattn._src.impl.interpret import pallas_interpret  # noqa: E402
 from jattn._src.kernels import flex_mgpu, kernel_inputs  # noqa: E402
 from benchmarks import gpu_kernels as bench  # noqa: E402
@@ -65,7 +72,7 @@ from tests.reference import reference_mods  # noqa: E402
 from tests.reference_grads import reference_mods_vjp  # noqa: E402
 
 FAST = "flex_mgpu_ws"
-SOFT_CAP = 30.0
+SOFT_CAP = bench.SOFT_CAP  # 30, as the benchmark's soft_cap case
 
 
 def say(*args):
@@ -146,6 +153,9 @@ def check_values(args, out, deadline, impls, names):
         with _context(args):
           fn = jax.jit(lambda q, k, v: jattn.dot_product_attention(
               q, k, v, implementation=impl, return_residual=True, **kw))
+          if args.compile_only:
+            _compile_only(args, out, f"values {name} {impl}", fn, q, k, v)
+            continue
           o, lse = jax.block_until_ready(fn(q, k, v))
         err = float(np.max(np.abs(_f64(o) - want)))
         lse = np.einsum("btn->bnt", _f64(lse))
@@ -191,6 +201,9 @@ def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcon
           q, k, v, implementation=impl, **kw).astype(jnp.float32) * g.astype(jnp.float32))
       report = f"{label} {case}" if label.endswith(":bwd") and not args.smoke else None
       with _ptxas_report(out, report):
+        if args.compile_only:
+          _compile_only(args, out, f"grad {case} {label}", jax.grad(loss, (0, 1, 2)), q, k, v)
+          return
         got = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
     if case == "causal_gqa_8_2":
       want = _grads(*(_f64(x) for x in (q, k, v, g)))
@@ -275,19 +288,26 @@ def _grads(q, k, v, g):
 # ---------------------------------------------------------------- 2. speed
 
 
+# forward at every length, after causal: the masks of issue 45's goals (no_mask: the work
+# 16 documents are measured against)
+FORWARD_CASES = ("documents", "soft_cap", "window", "alibi", "no_mask")
+BACKWARD_CASES = ("causal", "soft_cap", "documents")  # forward + backward, first length
+
+
 def speed_jobs(lengths):
-  """(T, case, backward): at the first length causal forward, causal and soft-cap forward
-  + backward, 16 documents and soft-cap forward; then the forward cases at the other
-  lengths (main runs the backward jobs first)."""
+  """(T, case, backward): at every length causal and FORWARD_CASES forward; at the first,
+  BACKWARD_CASES forward + backward (main runs the first two of those first)."""
   jobs = []
   for x, T in enumerate(lengths):
-    jobs += [(T, "causal", False)] + [(T, c, True) for c in ("causal", "soft_cap")] * (x == 0)
-    jobs += [(T, case, False) for case in ("documents", "soft_cap")]
+    jobs += [(T, "causal", False)] + [(T, c, True) for c in BACKWARD_CASES] * (x == 0)
+    jobs += [(T, case, False) for case in FORWARD_CASES]
   return jobs
 
 
 def measure_speed(args, out, deadline, impls, jobs):
   torch_device, note = bench._torch_device(argparse.Namespace(torch=True, smoke=args.smoke))
+  if args.compile_only:  # torch compiles on its own card, at run time
+    torch_device, note = None, "not run (--compile-only)"
   out["torch"] = note
   say(f"[speed] torch: {note}")
   N, H = (2, 64) if args.smoke else (16, 128)
@@ -308,7 +328,8 @@ def measure_speed(args, out, deadline, impls, jobs):
       if time.perf_counter() > deadline:
         break
       given = tuple(x.astype(jnp.float16) for x in jx) if name.endswith(":f16") else jx
-      timers[name] = _timer(out, T, case, name, lambda: _make(args, fn, given, backward))
+      timers[name] = _timer(out, T, case, name, lambda: _make(
+          args, fn, given, backward, out, f"speed T={T} {case} {pass_} {name}"))
     if th is not None and time.perf_counter() < deadline:
       for name, fn in _torch_contenders(case, B, T, N, torch_device, out, backward).items():
         if time.perf_counter() > deadline:
@@ -337,10 +358,7 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
   64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels; ":tiles", causal, each
   Mosaic GPU path through the to_tiles transposes it no longer needs), the reference
   (causal only: the interpreted design's cost), flex_gpu and cuDNN (causal)."""
-  ids = jnp.asarray(np.repeat(np.arange(bench.DOCUMENTS), -(-T // bench.DOCUMENTS))[:T][
-      None].repeat(B, 0))
-  kw = {"causal": dict(is_causal=True), "documents": dict(mask_mod=mods.document(ids)),
-        "soft_cap": dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP))}[case]
+  kw = bench.case_kwargs(case, B, T, N)
   attend = lambda impl, extra=None: (lambda q, k, v: jattn.dot_product_attention(
       q, k, v, implementation=impl, **(extra or kw)))
   out = {impls[0]: attend(impls[0])}
@@ -356,9 +374,9 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
           flex_mgpu.ws_dkv_rows(rows) if rows else contextlib.nullcontext()):
         return attend(FAST)(q, k, v)
     out[f"{FAST}:bwd"] = fast_backward
-    # the dk/dv kernel's other query tile (causal takes 64 rows, soft-cap 32: the card says
-    # which is faster, spills and all: flex_mgpu._ws_dkv_rows)
-    other = 32 if case == "causal" else 64
+    # the dk/dv kernel's other query tile (causal and documents take 64 rows, soft-cap 32:
+    # the card says which is faster, spills and all: flex_mgpu._ws_dkv_rows)
+    other = 64 if case == "soft_cap" else 32
     out[f"{FAST}:bwd:rows{other}"] = lambda q, k, v: fast_backward(q, k, v, other)
   if case == "causal" and not backward:
     out[f"{impls[0]}:mask_mod"] = attend(impls[0], dict(mask_mod=mods.causal()))
@@ -371,9 +389,10 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
     out.update({impl: attend(impl) for impl in impls[1:]})
   if not smoke:
     out["flex_gpu"] = attend("flex_gpu")
-    if case == "causal":
+    if case in ("causal", "no_mask", "window"):  # what cuDNN's flags say
       out["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
-          q, k, v, implementation="cudnn", is_causal=True)
+          q, k, v, implementation="cudnn", **kw)
+    if case == "causal":
       if not backward:  # the same design, jax's (its causal backward is not written)
         out["jax_attention_mgpu:f16"] = _jax_attention_mgpu
   return out
@@ -418,9 +437,30 @@ def _fast_backward():
     yield
 
 
-def _make(args, fn, inputs, backward=False):
+def _make(args, fn, inputs, backward=False, out=None, label=""):
   with _context(args):
+    if args.compile_only:  # the program jax_timer would run, compiled; no timer
+      program = fn if not backward else jax.grad(
+          lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), (0, 1, 2))
+      _compile_only(args, out, label, program, *inputs)
+      return None
     return bench.jax_timer(fn, inputs, backward)
+
+
+def _compile_only(args, out, label, fn, *inputs):
+  """--compile-only: jax.jit(fn) compiled for the card from this host (deviceless_cuda:
+  Mosaic GPU, Triton and cuDNN to SASS with the card's limits), recorded in
+  out["compiled"]; raises nothing (a failure is the row's error)."""
+  start = time.perf_counter()
+  try:
+    deviceless_cuda.compile_for(args.compile_only, fn, *inputs)
+    row = dict(program=label, compiled=True)
+  except Exception as e:  # noqa: BLE001 (recorded; the next program compiles)
+    row = dict(program=label, compiled=False, error=_error(e))
+  row["seconds"] = round(time.perf_counter() - start, 1)
+  out["compiled"].append(row)
+  say(f"[compile] {label:52s} {'ok' if row['compiled'] else 'FAILED ' + row['error'][-600:]}"
+      f" ({row['seconds']} s)")
 
 
 def _in_context(args, timer):
@@ -432,7 +472,9 @@ def _timer(out, T, case, name, make):
   start = time.perf_counter()
   try:
     timer = make()
-    say(f"[speed] T={T} {case} {name}: compiled and warmed in {time.perf_counter() - start:.1f} s")
+    if timer is not None:  # (--compile-only: _compile_only said what it did)
+      say(f"[speed] T={T} {case} {name}: compiled and warmed in "
+          f"{time.perf_counter() - start:.1f} s")
     return timer
   except Exception as e:  # noqa: BLE001
     out["errors"].append(dict(T=T, case=case, contender=name, error=_error(e)))
@@ -456,31 +498,45 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "mgpu_fast_check_out"))
   parser.add_argument("--deadline", type=float, default=None,
-                      help="seconds after which no new case starts (170 on a card; 700 in a "
-                           "--smoke rehearsal, where the interpreter runs every case)")
+                      help="seconds after which no new case starts (240 on a card; 700 in a "
+                           "--smoke rehearsal, where the interpreter runs every case; 3600 "
+                           "with --compile-only)")
   parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--smoke", action="store_true",
                       help="a CPU rehearsal: tiny shapes, the interpretable flex_mgpu standing "
                            "in for flex_mgpu_ws (which runs compiled only)")
+  parser.add_argument("--compile-only", choices=sorted(deviceless_cuda.TARGETS), default=None,
+                      help="on a host without the card: compile every jax program of the run "
+                           "for it (the card's shapes; nothing runs, torch is left out), with "
+                           "implementation=None planned as on a Hopper card")
   args = parser.parse_args(argv)
+  if args.smoke and args.compile_only:
+    parser.error("--smoke and --compile-only exclude each other (tiny interpreted shapes, "
+                 "or the card's shapes compiled)")
   start = time.perf_counter()
   if args.deadline is None:
-    args.deadline = 700.0 if args.smoke else 170.0
+    args.deadline = 700.0 if args.smoke else 3600.0 if args.compile_only else 240.0
   deadline = start + args.deadline
+  if args.compile_only:  # before jax starts a backend: the plugin finds no driver
+    jax.config.update("jax_platforms", "cpu")
+    deviceless_cuda.cuda_devices(args.compile_only)
   platform = jax.devices()[0].platform
   if args.smoke:
     args.lengths, args.rounds = [128], 1
     impls = ["flex_mgpu"]
-  elif platform != "gpu":
-    raise SystemExit(f"needs an NVIDIA Hopper GPU (found {platform}); --smoke rehearses")
+  elif platform != "gpu" and not args.compile_only:
+    raise SystemExit(f"needs an NVIDIA Hopper GPU (found {platform}); --smoke rehearses, "
+                     "--compile-only h100 compiles the run for the card")
   else:
     impls = [FAST, "flex_mgpu"]
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
-  out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, smoke=args.smoke,
+  device = (f"compile-only {deviceless_cuda.TARGETS[args.compile_only]}" if args.compile_only
+            else jax.devices()[0].device_kind)
+  out = dict(device=device, jax=jax.__version__, smoke=args.smoke,
              started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), argv=sys.argv, values=[],
-             speed=[], errors=[], skipped=[])
+             speed=[], errors=[], skipped=[], compiled=[])
   try:
     import torch
     out["torch_version"] = torch.__version__
@@ -488,7 +544,12 @@ def main(argv=None):
     out["torch_version"] = None
   say(f"[mgpu_fast_check] jax {jax.__version__} on {out['device']}, torch "
       f"{out['torch_version']}; deadline {args.deadline:.0f} s")
+  # --compile-only: implementation=None plans as the card's process would (a Hopper GPU
+  # seen: registry.hopper_fast_path), not as this GPU-less host's
+  hopper = (mock.patch.object(flex_mgpu, "gpu_capability", lambda: (9, 0)) if args.compile_only
+            else contextlib.nullcontext())
   try:
+    hopper.__enter__()
     # the most telling first, should the deadline cut the rest: causal's values, its
     # forward time at the first length, the other values, the gradients, the other times
     names = list(value_cases(8))
@@ -510,11 +571,15 @@ def main(argv=None):
     check_values(args, out, deadline, impls, names[1:])
     measure_speed(args, out, deadline, impls, backward_first[2:])
   finally:
+    hopper.__exit__(None, None, None)
     out["seconds"] = round(time.perf_counter() - start, 1)
     bad = [r for r in out["values"] if not r.get("passed")]
+    failed = [r for r in out["compiled"] if not r["compiled"]]
     out["summary"] = dict(values_passed=len(out["values"]) - len(bad), values_failed=len(bad),
                           speed_rows=len(out["speed"]), errors=len(out["errors"]),
-                          skipped=len(out["skipped"]))
+                          skipped=len(out["skipped"]),
+                          compiled=len(out["compiled"]) - len(failed),
+                          compile_failed=len(failed))
     (outdir / "mgpu_fast_check.json").write_text(json.dumps(out, indent=1, default=str))
     say(f"[mgpu_fast_check] done in {out['seconds']} s: {out['summary']}")
   return out

@@ -62,6 +62,7 @@ TARGETS = {
 # the CUDA plugin packages jax ships, newest first
 _PLUGINS = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
 _SKIP_CHECK = "JAX_SKIP_CUDA_CONSTRAINTS_CHECK"
+CONFIGS_FOLDER = "JATTN_CUDA_TARGET_CONFIGS"  # a folder of <target>.txtpb, read first
 
 
 @functools.cache
@@ -112,17 +113,44 @@ def _descriptions(library: pathlib.Path) -> dict[str, str]:
 
 @functools.cache
 def target_config(target: str) -> str:
-  """The card's `xla.GpuTargetConfigProto` in text form, from the installed CUDA plugin."""
+  """The card's `xla.GpuTargetConfigProto` in text form: from the folder named by
+  $JATTN_CUDA_TARGET_CONFIGS where set (`<target>.txtpb`, as `save_target_configs` writes
+  it), else from the installed CUDA plugin.
+
+  The folder is for a jax whose plugin embeds no descriptions (jax 0.11, the lent cards'
+  version), which compiles for a card all the same when given one (tried: jax 0.11.2):
+  save them from a jax 0.12 venv, then point the variable at the folder."""
   if target not in TARGETS:
     raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
+  folder = os.environ.get(CONFIGS_FOLDER)
+  if folder:
+    path = pathlib.Path(folder) / f"{target}.txtpb"
+    if not path.is_file():
+      raise RuntimeError(f"${CONFIGS_FOLDER}={folder} has no {path.name} (write it with "
+                         f"deviceless_cuda.save_target_configs under jax >= 0.12)")
+    return path.read_text()
   library = plugin_path()
   if library is None:
     raise RuntimeError(f"cannot compile for {target}: {missing()}")
   descriptions = _descriptions(library)
   if TARGETS[target] not in descriptions:
     raise RuntimeError(f"the CUDA plugin {library} embeds no description of "
-                       f"{TARGETS[target]!r} (it has {sorted(descriptions)})")
+                       f"{TARGETS[target]!r} (it has {sorted(descriptions)}; a jax whose "
+                       f"plugin embeds none reads them from ${CONFIGS_FOLDER})")
   return descriptions[TARGETS[target]]
+
+
+def save_target_configs(folder) -> list[pathlib.Path]:
+  """Writes every target's description from this process's plugin into `folder` as
+  `<target>.txtpb` (for $JATTN_CUDA_TARGET_CONFIGS in an older jax's process)."""
+  folder = pathlib.Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  written = []
+  for target in TARGETS:
+    path = folder / f"{target}.txtpb"
+    path.write_text(target_config(target))
+    written.append(path)
+  return written
 
 
 @functools.cache

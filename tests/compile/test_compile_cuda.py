@@ -215,6 +215,27 @@ def test_the_targets_are_the_cards():
     deviceless_cuda.cuda_devices("h300")
 
 
+def test_saved_descriptions_stand_in_for_a_plugin_without_them(tmp_path, monkeypatch):
+  """$JATTN_CUDA_TARGET_CONFIGS (for jax 0.11's plugin, which embeds none): the saved
+  text is what target_config gives; a folder without the card's file is named in the
+  error."""
+  saved = deviceless_cuda.save_target_configs(tmp_path / "saved")
+  assert sorted(p.name for p in saved) == ["h100.txtpb", "h200.txtpb"]
+  (tmp_path / "saved" / "h200.txtpb").write_text("a stand-in description")
+  (tmp_path / "empty").mkdir()
+  deviceless_cuda.target_config.cache_clear()
+  try:
+    monkeypatch.setenv(deviceless_cuda.CONFIGS_FOLDER, str(tmp_path / "saved"))
+    assert deviceless_cuda.target_config("h200") == "a stand-in description"
+    assert "major: 9" in deviceless_cuda.target_config("h100")
+    monkeypatch.setenv(deviceless_cuda.CONFIGS_FOLDER, str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match=r"JATTN_CUDA_TARGET_CONFIGS=.*empty has no "
+                                           r"h100\.txtpb"):
+      deviceless_cuda.target_config.__wrapped__("h100")
+  finally:
+    deviceless_cuda.target_config.cache_clear()
+
+
 def test_the_kernel_reader_sees_a_TS_array_and_the_xla_path():
   """The checks above can fail: the "xla" implementation materializes [T, S] scores."""
   fn, args, _ = _program("cross", "bfloat16", "causal", "xla", grad=False)

@@ -123,3 +123,25 @@ def test_ws_kernels_compile_within_their_budgets(target, case, tmp_path):
                          ids=lambda x: x)
 def test_ws_kernels_compile_within_their_budgets_every_case(target, case, tmp_path):
   check_budgets(target, case, tmp_path)
+
+
+@pytest.mark.thorough
+def test_the_card_runs_programs_compile_for_an_h100(tmp_path):
+  """tools/mgpu_fast_check.py --compile-only h100: every jax program the card's run would
+  execute (values, gradients, each timed contender forward and forward + backward)
+  compiled for the card before device time is spent on it (issue 45, item 3). One length
+  here (the card's run has two, the same programs at other shapes): 146 s on 2 cores."""
+  done = subprocess.run([sys.executable, str(ROOT / "tools" / "mgpu_fast_check.py"),
+                         "--compile-only", "h100", "--lengths", "1024", "--out", str(tmp_path)],
+                        capture_output=True, text=True, timeout=1800)
+  assert done.returncode == 0, done.stderr[-3000:]
+  result = json.loads((tmp_path / "mgpu_fast_check.json").read_text())
+  failed = [(r["program"], r["error"][-300:]) for r in result["compiled"] if not r["compiled"]]
+  assert not failed, failed
+  programs = {r["program"] for r in result["compiled"]}
+  assert "grad documents_4_soft_cap_gqa_8_2 default:flex_mgpu_ws" in programs  # as on Hopper
+  assert {f"speed T=1024 {case} fwd+bwd flex_mgpu_ws:bwd" for case in ("causal", "soft_cap")
+          } <= programs
+  assert {f"speed T=1024 {case} fwd flex_mgpu_ws" for case in (
+      "causal", "documents", "soft_cap", "window", "alibi", "no_mask")} <= programs
+  assert not result["values"] and not result["speed"]  # nothing ran, nothing is claimed
