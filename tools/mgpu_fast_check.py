@@ -14,6 +14,8 @@ GPU, in one process and under 5 minutes: its values against float64, then its sp
    reference (tests/reference.py) for causal, 16 documents, a sliding window, soft-cap,
    ALiBi, chunked, prefix-LM, grouped heads (N = 8, K = 2), T != S, unaligned T, a fully
    masked row and max logits; the interpretable flex_mgpu, compiled, beside it on causal;
+   on soft-cap and the masked rows also "flex_mgpu_ws:fma32", part of the softmax's exp2
+   on the FP32 pipe (flex_mgpu.ws_exp2_fma(32));
    the gradients of causal GQA and of 4 documents with soft-cap (GQA), by flex_mgpu_ws's
    default backward (flex_mgpu's kernels) and by its warp-specialised dq and dk/dv kernels
    (flex_mgpu.ws_dq, ws_dkv: "flex_mgpu_ws:bwd"), against float64, relative to the
@@ -34,7 +36,9 @@ GPU, in one process and under 5 minutes: its values against float64, then its sp
    ":bwd" with the warp-specialised dq and dk/dv kernels, ":bwd:rows32" / ":bwd:rows64"
    with the dk/dv kernel's other query tile); on causal, ":tiles": each Mosaic GPU path
    made to read and write through the to_tiles transposes (kernel_inputs.through_tiles),
-   the cost the in-place TMA reads and writes removed.
+   the cost the in-place TMA reads and writes removed; forward, ":fma32" and ":fma64"
+   (soft-cap; causal ":fma32"): 32 or 64 columns of each kv tile's exp2 on the FP32
+   pipe, beside soft-cap's tanh on the special-function unit.
 Order: causal's values, the gradients, causal and soft-cap forward + backward at T =
 4096, the other values, the other timings (documents' forward + backward first). Each case's failure is caught, printed and
 recorded; the next case runs. New work stops starting after --deadline seconds.
@@ -117,6 +121,11 @@ def value_cases(N: int):
   }
 
 
+# the cases that also check the fast forward with part of its exp2 on the FP32 pipe
+# (flex_mgpu.ws_exp2_fma(32), "flex_mgpu_ws:fma32"): soft-cap's, and rows that see no key
+FMA_VALUE_CASES = ("soft_cap_causal", "fully_masked_rows")
+
+
 def _f64(x):
   return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
@@ -144,17 +153,21 @@ def check_values(args, out, deadline, impls, names):
       want_lse = np.log(np.sum(np.exp(masked), -1))  # [B, N, T]
     seen = np.isfinite(want_lse)
     tol = 4 * float(np.max(np.abs(_f64(jnp.asarray(want, jnp.bfloat16)) - want)))
-    for impl in impls if name == "causal" else impls[:1]:
+    runs = [(impl, impl, contextlib.nullcontext)
+            for impl in (impls if name == "causal" else impls[:1])]
+    if FAST in impls and name in FMA_VALUE_CASES:
+      runs.append((FAST, f"{FAST}:fma32", lambda: flex_mgpu.ws_exp2_fma(32)))
+    for impl, label, variant in runs:
       if time.perf_counter() > deadline:
-        out["skipped"].append(dict(stage="values", case=name, impl=impl))
+        out["skipped"].append(dict(stage="values", case=name, impl=label))
         continue
       start = time.perf_counter()
       try:
-        with _context(args):
+        with _context(args), variant():
           fn = jax.jit(lambda q, k, v: jattn.dot_product_attention(
               q, k, v, implementation=impl, return_residual=True, **kw))
           if args.compile_only:
-            _compile_only(args, out, f"values {name} {impl}", fn, q, k, v)
+            _compile_only(args, out, f"values {name} {label}", fn, q, k, v)
             continue
           o, lse = jax.block_until_ready(fn(q, k, v))
         err = float(np.max(np.abs(_f64(o) - want)))
@@ -162,15 +175,15 @@ def check_values(args, out, deadline, impls, names):
         lse_err = float(np.max(np.abs(lse[seen] - want_lse[seen]))) if seen.any() else 0.0
         empty_ok = bool(np.all(_f64(o).transpose(0, 2, 1, 3)[~seen] == 0))
         ok = err <= tol and lse_err <= max(4 * tol, 2e-2) and empty_ok
-        row = dict(case=name, impl=impl, T=T, S=S, N=N, K=K, err=err, tol=tol,
+        row = dict(case=name, impl=label, T=T, S=S, N=N, K=K, err=err, tol=tol,
                    lse_err=lse_err, empty_rows_zero=empty_ok, passed=ok,
                    seconds=round(time.perf_counter() - start, 1))
-        say(f"[values] {name:28s} {impl:13s} {'ok  ' if ok else 'FAIL'} err {err:.3g} "
+        say(f"[values] {name:28s} {label:13s} {'ok  ' if ok else 'FAIL'} err {err:.3g} "
             f"(bound {tol:.3g}) lse err {lse_err:.3g} empty rows zero {empty_ok} "
             f"({row['seconds']} s)")
       except Exception as e:  # noqa: BLE001 (recorded; the next case runs)
-        row = dict(case=name, impl=impl, passed=False, error=_error(e))
-        say(f"[values] {name:28s} {impl:13s} ERROR {row['error'][:600]}")
+        row = dict(case=name, impl=label, passed=False, error=_error(e))
+        say(f"[values] {name:28s} {label:13s} ERROR {row['error'][:600]}")
       out["values"].append(row)
 
 
@@ -378,6 +391,14 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
     # the card says which is faster, spills and all: flex_mgpu._ws_dkv_rows)
     other = 64 if case == "soft_cap" else 32
     out[f"{FAST}:bwd:rows{other}"] = lambda q, k, v: fast_backward(q, k, v, other)
+  if FAST in impls and not backward and case in ("causal", "soft_cap"):
+    # part of the softmax's exp2 on the FP32 pipe (flex_mgpu.ws_exp2_fma): soft-cap's tanh
+    # shares the special-function unit with exp2 (docs/gpu_kernel.md, "Soft-cap, from SASS")
+    for columns in (32, 64) if case == "soft_cap" else (32,):
+      def fma(q, k, v, columns=columns):
+        with flex_mgpu.ws_exp2_fma(columns):
+          return attend(FAST)(q, k, v)
+      out[f"{FAST}:fma{columns}"] = fma
   if case == "causal" and not backward:
     out[f"{impls[0]}:mask_mod"] = attend(impls[0], dict(mask_mod=mods.causal()))
     if FAST in impls:

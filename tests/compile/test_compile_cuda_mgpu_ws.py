@@ -61,26 +61,34 @@ _MEASURE = """
 import json, pathlib, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
 import gpu_static as gs
+from jattn._src.kernels import flex_mgpu
 from tests.kernels.test_gpu import _case
 target, case, work = sys.argv[2], sys.argv[3], pathlib.Path(sys.argv[4])
-B, T, N, K, H = (int(x) for x in sys.argv[5:10])
+B, T, N, K, H, fma_columns = (int(x) for x in sys.argv[5:11])
 tools = {name: gs.find_tool(name, None) for name in ("ptxas", "nvdisasm")}
 if tools["ptxas"] is None:
   sys.exit("ptxas not found (pip install nvidia-cuda-nvcc): the compile venv lacks it")
-report = gs.measure("flex_mgpu_ws", case, target=target, B=B, T=T, N=N, K=K, H=H,
-                    dtype="bfloat16", tools=tools, work=work,
-                    kwargs=_case(case, B, T, T, N)[0])
+with flex_mgpu.ws_exp2_fma(fma_columns):
+  report = gs.measure("flex_mgpu_ws", case, target=target, B=B, T=T, N=N, K=K, H=H,
+                      dtype="bfloat16", tools=tools, work=work,
+                      kwargs=_case(case, B, T, T, N)[0])
 report["nvdisasm"] = tools["nvdisasm"] is not None
+# the forward's exponentials on the special-function unit, in its PTX
+forward = work / f"flex_mgpu_ws_{case}" / "jattn_flex_mgpu_ws_fwd.ptx"
+report["forward_ex2"] = forward.read_text().count("ex2.approx")
 (work / "report.json").write_text(json.dumps(report))
 """
 
 
-def check_budgets(target, case, tmp_path):
+def check_budgets(target, case, tmp_path, fma_columns=0):
+  """fma_columns: the forward's exp2 columns on the FP32 pipe (flex_mgpu.ws_exp2_fma)."""
   done = subprocess.run([sys.executable, "-c", _MEASURE, str(ROOT), target, case,
-                         str(tmp_path), *map(str, (B, T, N, K, H))],
+                         str(tmp_path), *map(str, (B, T, N, K, H, fma_columns))],
                         capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
   report = json.loads((tmp_path / "report.json").read_text())
+  # a consumer thread's exp2 of its 64 x 128 tile: 64 entries, 2 of alpha, less those moved
+  assert report["forward_ex2"] == 64 + 2 - fma_columns // 2, report["forward_ex2"]
   tools = {"nvdisasm": report["nvdisasm"] or None}
   over = {}
   for name in KERNELS:
@@ -115,6 +123,12 @@ _WS_CASES = [c for c in CASES if c != "relative_bias"]
 @pytest.mark.parametrize("target,case", DEFAULT, ids=lambda x: x)
 def test_ws_kernels_compile_within_their_budgets(target, case, tmp_path):
   check_budgets(target, case, tmp_path)
+
+
+def test_ws_forward_with_exp2_on_the_fma_pipe_compiles_within_its_budgets(tmp_path):
+  """flex_mgpu.ws_exp2_fma(32) on soft-cap, the case it is for: the forward issues 32
+  fewer MUFU.EX2 a thread (its PTX), and the three kernels stay within the budgets."""
+  check_budgets("h100", "soft_cap", tmp_path, fma_columns=32)
 
 
 @pytest.mark.thorough

@@ -403,6 +403,41 @@ def test_ws_dkv_query_rows_follow_the_mods(monkeypatch):
     flex_mgpu.ws_dkv_rows(48)
 
 
+@needs_interpreter
+@needs_ws
+@pytest.mark.parametrize("columns", [64, pytest.param(128, marks=pytest.mark.thorough)])
+def test_ws_exp2_on_the_fma_pipe_against_float64(columns, monkeypatch):
+  """ws_exp2_fma: the fast forward's exp2 of the last `columns` of each kv tile by
+  fma_exp2 (the FP32 pipe), interpreted; out and lse against float64 on the hand-written
+  mask with ALiBi and rows that see no key (their out exactly 0: masked entries give 0,
+  not 2**-125). The plan names the count; a count that is not a multiple of 16 from 0 to
+  128 is refused, naming it."""
+  from jattn._src.kernels import flex_mgpu
+  kw, allowed, score, _ = CASES["hand_written_alibi_empty_rows"]
+  q, k, v = _inputs(seed=7)
+  with pallas_interpret(), flex_mgpu.ws_exp2_fma(columns):
+    out, lse = jattn.dot_product_attention(q, k, v, implementation="flex_mgpu_ws",
+                                           return_residual=True, **kw)
+  want, _ = reference_mods(_f64(q), _f64(k), _f64(v), allowed=allowed, score=score)
+  np.testing.assert_allclose(_f64(out), want, atol=_tolerance(want))
+  empty = ~np.any(np.broadcast_to(allowed, (B, N, T, S)), axis=-1)  # [B, N, T]
+  assert empty.any() and np.all(_f64(out).transpose(0, 2, 1, 3)[empty] == 0.0)
+  want_lse = _lse(_f64(q), _f64(k), allowed, score, None)
+  seen = np.isfinite(want_lse)
+  np.testing.assert_allclose(_f64(lse)[seen], want_lse[seen], atol=_tolerance(want_lse[seen]))
+  monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: (9, 0))
+  shape = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  explain = lambda: str(jattn.explain(shape, shape, shape, implementation="flex_mgpu_ws",
+                                      is_causal=True))
+  assert "exp2_fma=0" in explain()
+  with flex_mgpu.ws_exp2_fma(columns):
+    assert f"exp2_fma={columns}" in explain()
+  for bad in (24, 144, -16, 64.0, True):
+    with pytest.raises(ValueError, match=f"columns must be a multiple of 16 from 0 to 128, "
+                                         f"got {re.escape(repr(bad))}"):
+      flex_mgpu.ws_exp2_fma(bad)
+
+
 # The GPU interpreter runs each warpgroup as an XLA:CPU program on its own Python thread,
 # and a barrier wait blocks one of XLA:CPU's executor threads, of which there are as many
 # as the host has cores: with fewer cores than the kernel's 3 warpgroups, two waiting

@@ -67,6 +67,7 @@ class Plan(kernel_plan.TilePlan):
   fast_dq: bool = False  # ... and its warp-specialised dq kernel (`ws_dq`)
   fast_dkv: bool = False  # ... and its warp-specialised dk/dv kernel (`ws_dkv`)
   dkv_rows: int = 64  # ... whose query tiles have this many rows (`_ws_dkv_rows`)
+  exp2_fma: int = 0  # the fast forward's kv-tile columns whose exp2 is fma_exp2's
 
   @property
   def H_padded(self) -> int:  # E: both heads, so the output tile reuses the query's SMEM
@@ -148,7 +149,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            # the fast backward kernels' tiles fit SMEM up to E = 128
            fast_dq=fast and E <= 128 and bool(_WS_DQ.get()),
            fast_dkv=fast and E <= 128 and bool(_WS_DKV.get()),
-           dkv_rows=_ws_dkv_rows(m.mods, facts) if fast else 64)
+           dkv_rows=_ws_dkv_rows(m.mods, facts) if fast else 64,
+           exp2_fma=min(_WS_EXP2_FMA.get(), bk) if fast else 0)
   return _side_refusal(p, m, np.dtype(dtype).itemsize) or p
 
 
@@ -216,6 +218,22 @@ def ws_dkv_rows(rows: int):
   if rows not in (32, 64):
     raise ValueError(f"rows must be 32 or 64, got {rows}")
   return _set(_WS_DKV_ROWS, rows)
+
+
+# the fast forward's columns of each kv tile whose exp2 runs on the FMA pipe (`ws_exp2_fma`)
+_WS_EXP2_FMA = contextvars.ContextVar("flex_mgpu_ws_exp2_fma", default=0)
+
+
+def ws_exp2_fma(columns: int):
+  """"flex_mgpu_ws" calls planned in this block compute the softmax's exp2 of the last
+  `columns` of each kv tile (a multiple of 16 from 0 to 128; at most the tile) by
+  `fma_exp2` on the FP32 pipe, the rest by the special-function unit, which soft-cap's
+  tanh also needs (docs/gpu_kernel.md). The forward only. NOT MEASURED on a GPU: off
+  (0) by default until a card times it."""
+  if isinstance(columns, bool) or not isinstance(columns, int) or not (
+      0 <= columns <= 128 and columns % 16 == 0):
+    raise ValueError(f"columns must be a multiple of 16 from 0 to 128, got {columns!r}")
+  return _set(_WS_EXP2_FMA, columns)
 
 
 def ws_kv_tile(block_kv: int):

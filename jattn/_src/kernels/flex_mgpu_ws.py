@@ -49,6 +49,7 @@ from jattn._src import compat
 from jattn._src.core.layout import Layout
 from jattn._src.core.softmax import LARGE_NEGATIVE
 from jattn._src.kernels import flex_mgpu_kernels as ref
+from jattn._src.kernels import fma_exp2
 from jattn._src.kernels import layout_specs
 from jattn._src.kernels.kernel_inputs import (TILES, Letters, at, letters, pad_to,
                                               tma_in_place, to_tiles)
@@ -447,7 +448,7 @@ def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
     m_next = jnp.maximum(m, s.max(axis=1))
     # a row with no visible key yet keeps m = LARGE_NEGATIVE: shift it by 0
     shift = jnp.where(m_next > LARGE_NEGATIVE, m_next, 0.0)
-    probs = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+    probs = _exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]), p.exp2_fma)
     alpha = jnp.exp2(m - m_next)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     l = alpha * l + probs.sum(axis=1)
@@ -467,6 +468,17 @@ def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
   out = lax.fori_loop(0, count, body, init)
   pl.when(wg == 0)(take_turn)
   return out
+
+
+def _exp2(x, fma_columns: int):
+  """2**x of a [64, bk] tile: the last `fma_columns` columns by `fma_exp2` (FP32 pipe), the
+  others by exp2 (`MUFU.EX2`), so both units share the softmax's exponentials."""
+  split = x.shape[1] - fma_columns
+  if fma_columns == 0:
+    return jnp.exp2(x)
+  if split == 0:
+    return fma_exp2.exp2(x)
+  return jnp.concatenate([jnp.exp2(x[:, :split]), fma_exp2.exp2(x[:, split:])], axis=1)
 
 
 # ---------------------------------------------------------------- dk, dv
