@@ -27,10 +27,11 @@ within the launch's share of the register file (64K / threads per block); for a
 warp-specialised kernel, its `setmaxnreg` counts (read from the PTX) within the file
 (2 consumers x 232 + 1 producer x 40, x 128 threads <= 64K) and honoured by ptxas; a
 tensor-core instruction in the inner loop's SASS; shared memory within the card's 227
-KiB. Mosaic GPU kernels get them twice: `budgets` from Mosaic's own ptxas run (jax 0.12
-passes -c, and ptxas then ignores setmaxnreg: C7504), `budgets_whole_program` from
-ptxas run here on the same PTX without -c (setmaxnreg honoured, as jax 0.11.2's Mosaic
-GPU compiled on the H100). The SASS is always the latter's.
+KiB. Mosaic GPU kernels get them twice: `budgets` from Mosaic's own ptxas run (on
+2026-11-27's host jax 0.12's run ignored setmaxnreg, C7504; on 2026-11-28's it honoured
+it: docs/gpu_kernel.md), `budgets_whole_program` from ptxas run here on the same PTX
+without -c (setmaxnreg honoured, as jax 0.11.2's Mosaic GPU compiled on the H100). The
+SASS is always the latter's.
 Nothing runs and nothing is timed: these are budgets (does it spill, does it fit, is the
 loop's work on the tensor cores), not speed. The loop's count covers every path of its
 body (a FULL tile's and a PARTIAL tile's branch both count).
@@ -239,13 +240,21 @@ def sass_of(cubin: pathlib.Path, nvdisasm: str) -> dict[str, list]:
 
 def inner_loop_mix(kernel: dict) -> dict:
   """The innermost loop (a backward branch's range) holding a tensor-core instruction,
-  counted by opcode and class; or the reason there is none."""
+  counted by opcode and class; or the reason there is none.
+
+  A range holding the kernel's EXIT is no loop body: ptxas lays the retries of a barrier
+  wait out of line, after the exit, and their branch back into the loop spans everything
+  between (in flex_mgpu_ws's forward such a range, 302 instructions with the first
+  matmul alone, was taken for its loop until 2026-11-28)."""
   code, labels = kernel["code"], kernel["labels"]
+  exits = [address for address, opcode, _, _ in code if opcode == "EXIT"]
   loops = []
   for address, opcode, _, operands in code:
     target = re.search(r"\(\s*(\.L_x_\d+)\s*\)", operands)
     if opcode == "BRA" and target and labels.get(target.group(1), address + 1) <= address:
-      loops.append((labels[target.group(1)], address))
+      lo = labels[target.group(1)]
+      if not any(lo <= e <= address for e in exits):
+        loops.append((lo, address))
   body = lambda lo, hi: [c for c in code if lo <= c[0] <= hi]
   with_mma = [(hi - lo, lo, hi) for lo, hi in loops
               if any(TENSOR_CORE.match(c[1]) for c in body(lo, hi))]
@@ -388,8 +397,8 @@ def setmaxnreg_of(ptx: str) -> dict:
 
 def budgets(k: dict) -> dict:
   """Issue 45 item 2's budgets of one kernel's figures: name -> True / False (None where a
-  figure is missing). "setmaxnreg_honoured": False where ptxas ignored setmaxnreg (jax
-  0.12's Mosaic GPU compiles with -c: C7504), so the consumers get only the launch's
+  figure is missing). "setmaxnreg_honoured": False where ptxas ignored setmaxnreg (C7504,
+  as jax 0.12's Mosaic GPU run did on one host), so the consumers get only the launch's
   share of registers."""
   threads, regs = k.get("threads_per_block"), k.get("registers")
   smem = (k.get("dynamic_smem_bytes") or 0) + k.get("static_smem_bytes", 0)

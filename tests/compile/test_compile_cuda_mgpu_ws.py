@@ -11,9 +11,9 @@ issue 45 item 2's budgets read from the compilers' own output by
 
 What is asserted is ptxas run here on Mosaic GPU's PTX as a whole program
 (`budgets_whole_program`: setmaxnreg honoured, as jax 0.11.2's Mosaic GPU compiled on the
-H100). jax 0.12's Mosaic GPU passes -c to its own ptxas run, which then ignores setmaxnreg
-(C7504) and fits the consumers into the launch's 168 registers: those figures are recorded
-by gpu_static.py (`budgets`) and not asserted (docs/gpu_kernel.md). A case over a budget
+H100). Mosaic GPU's own ptxas run is recorded by gpu_static.py (`budgets`) and not
+asserted: on one host jax 0.12's ignored setmaxnreg (C7504) and fitted the consumers into
+the launch's 168 registers, on another the same versions honoured it (docs/gpu_kernel.md). A case over a budget
 that is known and reported is an xfail naming it; any other is a failure.
 
 Nothing runs: values are the interpreter's (tests/kernels/test_flex_mgpu.py) and the
@@ -89,6 +89,12 @@ def check_budgets(target, case, tmp_path, fma_columns=0):
   report = json.loads((tmp_path / "report.json").read_text())
   # a consumer thread's exp2 of its 64 x 128 tile: 64 entries, 2 of alpha, less those moved
   assert report["forward_ex2"] == 64 + 2 - fma_columns // 2, report["forward_ex2"]
+  # the forward's loop, read from SASS: both matmuls (K = 128: 8 wgmma k-steps each) and
+  # the softmax's exponentials (not a barrier retry's out-of-line range: gpu_static)
+  loop = report["kernels"]["jattn_flex_mgpu_ws_fwd"].get("inner_loop", {})
+  if "error" not in loop:
+    assert loop["tensor_core"] == 16, loop
+    assert loop["classes"]["exp_and_special"] >= 64 + 2 - fma_columns // 2, loop
   tools = {"nvdisasm": report["nvdisasm"] or None}
   over = {}
   for name in KERNELS:
@@ -126,9 +132,9 @@ def test_ws_kernels_compile_within_their_budgets(target, case, tmp_path):
 
 
 def test_ws_forward_with_exp2_on_the_fma_pipe_compiles_within_its_budgets(tmp_path):
-  """flex_mgpu.ws_exp2_fma(32) on soft-cap, the case it is for: the forward issues 32
+  """flex_mgpu.ws_exp2_fma(16) on soft-cap, the case it is for: the forward issues 8
   fewer MUFU.EX2 a thread (its PTX), and the three kernels stay within the budgets."""
-  check_budgets("h100", "soft_cap", tmp_path, fma_columns=32)
+  check_budgets("h100", "soft_cap", tmp_path, fma_columns=16)
 
 
 @pytest.mark.thorough

@@ -405,7 +405,8 @@ def test_ws_dkv_query_rows_follow_the_mods(monkeypatch):
 
 @needs_interpreter
 @needs_ws
-@pytest.mark.parametrize("columns", [64, pytest.param(128, marks=pytest.mark.thorough)])
+@pytest.mark.parametrize("columns", [16, pytest.param(64, marks=pytest.mark.thorough),
+                                     pytest.param(128, marks=pytest.mark.thorough)])
 def test_ws_exp2_on_the_fma_pipe_against_float64(columns, monkeypatch):
   """ws_exp2_fma: the fast forward's exp2 of the last `columns` of each kv tile by
   fma_exp2 (the FP32 pipe), interpreted; out and lse against float64 on the hand-written
