@@ -8,7 +8,7 @@ GPU, in one process and under 5 minutes: its values against float64, then its sp
     JAX_PLATFORMS=cpu python tools/mgpu_fast_check.py --compile-only h100 --out DIR
         # on a CPU with the CUDA plugin: every jax program of the card's run compiled for
         # the card (deviceless_cuda), nothing run; under the card's jax 0.11.2 too, with
-        # JATTN_CUDA_TARGET_CONFIGS (deviceless_cuda.target_config); about 10 minutes
+        # JATTN_CUDA_TARGET_CONFIGS (deviceless_cuda.target_config); about 3 minutes
 
 1. values (bfloat16, H = 128): flex_mgpu_ws's out and lse against the float64 NumPy
    reference (tests/reference.py) for causal, 16 documents, a sliding window, soft-cap,
@@ -40,8 +40,9 @@ GPU, in one process and under 5 minutes: its values against float64, then its sp
    (soft-cap; causal ":fma16"): 16 or 32 columns of each kv tile's exp2 on the FP32
    pipe, beside soft-cap's tanh on the special-function unit.
 Order: causal's values, the gradients, causal and soft-cap forward + backward at T =
-4096, the other values, the other timings (documents' forward + backward first). Each case's failure is caught, printed and
-recorded; the next case runs. New work stops starting after --deadline seconds.
+4096, the other values, the other timings (documents' forward + backward first). Each
+case's failure is caught, printed and recorded; the next case runs. New work stops
+starting after --deadline seconds.
 JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
 """
 
@@ -368,7 +369,8 @@ def measure_speed(args, out, deadline, impls, jobs):
 
 def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
   """name -> fn(q, k, v) [B, T, N, H]: the fast path's variants ("flex_mgpu_ws:kv64" its
-  64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels; ":tiles", causal, each
+  64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels; ":fma16" / ":fma32" part
+  of its exp2 on the FP32 pipe; ":tiles", causal, each
   Mosaic GPU path through the to_tiles transposes it no longer needs), the reference
   (causal only: the interpreted design's cost), flex_gpu and cuDNN (causal)."""
   kw = bench.case_kwargs(case, B, T, N)
@@ -392,10 +394,9 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
     other = 64 if case == "soft_cap" else 32
     out[f"{FAST}:bwd:rows{other}"] = lambda q, k, v: fast_backward(q, k, v, other)
   if FAST in impls and not backward and case in ("causal", "soft_cap"):
-    # part of the softmax's exp2 on the FP32 pipe (flex_mgpu.ws_exp2_fma): soft-cap's tanh
-    # shares the special-function unit with exp2 (docs/gpu_kernel.md, "Soft-cap, from SASS")
-    # (16 columns: a model from the SASS counts, docs/gpu_kernel.md; 32 beside it; causal,
-    # whose exponentials are not its limit, the control)
+    # part of the softmax's exp2 on the FP32 pipe (flex_mgpu.ws_exp2_fma), since soft-cap's
+    # tanh shares the special-function unit with it: 16 columns, the SASS model's choice,
+    # and 32 (docs/gpu_kernel.md); causal, whose exponentials are not its limit, the control
     for columns in (16, 32) if case == "soft_cap" else (16,):
       def fma(q, k, v, columns=columns):
         with flex_mgpu.ws_exp2_fma(columns):

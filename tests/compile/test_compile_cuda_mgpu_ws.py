@@ -13,8 +13,9 @@ What is asserted is ptxas run here on Mosaic GPU's PTX as a whole program
 (`budgets_whole_program`: setmaxnreg honoured, as jax 0.11.2's Mosaic GPU compiled on the
 H100). Mosaic GPU's own ptxas run is recorded by gpu_static.py (`budgets`) and not
 asserted: on one host jax 0.12's ignored setmaxnreg (C7504) and fitted the consumers into
-the launch's 168 registers, on another the same versions honoured it (docs/gpu_kernel.md). A case over a budget
-that is known and reported is an xfail naming it; any other is a failure.
+the launch's 168 registers, on another the same versions honoured it (docs/gpu_kernel.md).
+A case over a budget that is known and reported is an xfail naming it; any other is a
+failure.
 
 Nothing runs: values are the interpreter's (tests/kernels/test_flex_mgpu.py) and the
 card's (tools/mgpu_fast_check.py). Marked `compile`; the default tier compiles two
