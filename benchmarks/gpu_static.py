@@ -3,6 +3,8 @@
     python benchmarks/gpu_static.py [--target h100] [--H 128] [--dtype bfloat16] [--T 1024]
         [--cases causal soft_cap documents] [--out benchmarks/results/gpu_static_h100.json]
     python benchmarks/gpu_static.py --smoke     # T = 128, H = 64, one case (the test)
+    python benchmarks/gpu_static.py --implementations flex_mgpu_ws --ws-exp2-fma 16 ...
+        # the fast forward with exp2 of 16 columns a kv tile on the FP32 pipe
 
 For flex_gpu's three Triton kernels (forward, dq, dk/dv), flex_mgpu's three Mosaic GPU
 kernels and flex_mgpu_ws's three warp-specialised ones (its forward, and the dq and dk/dv
@@ -469,7 +471,15 @@ def main(argv=None) -> int:
   parser.add_argument("--cuda-bin", default=None, help="a folder with ptxas and nvdisasm")
   parser.add_argument("--out", default=None, help="write the results here (JSON)")
   parser.add_argument("--smoke", action="store_true", help="T = 128, H = 64, causal only")
+  parser.add_argument("--ws-exp2-fma", type=int, default=0, metavar="COLUMNS",
+                      help="flex_mgpu_ws's forward computes exp2 of COLUMNS of each kv tile "
+                           "on the FP32 pipe (flex_mgpu.ws_exp2_fma; default 0)")
   args = parser.parse_args(argv)
+  from jattn._src.kernels import flex_mgpu
+  try:
+    exp2_fma = flex_mgpu.ws_exp2_fma(args.ws_exp2_fma)
+  except ValueError as e:
+    parser.error(f"--ws-exp2-fma: {e}")
   if args.smoke:
     args.T, args.H, args.cases = 128, 64, ["causal"]
   reason = deviceless_cuda.missing()
@@ -482,7 +492,7 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   results, errors = [], []
-  with tempfile.TemporaryDirectory(prefix="gpu_static_") as work:
+  with tempfile.TemporaryDirectory(prefix="gpu_static_") as work, exp2_fma:
     for implementation in args.implementations:
       for case in args.cases:
         if implementation == "paged_gpu" and case == "documents":
