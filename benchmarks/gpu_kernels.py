@@ -134,13 +134,16 @@ def torch_contenders(case: str, B: int, T: int, N: int, device: str):
 # ---------------------------------------------------------------- timing
 
 
+def timed_program(fn, backward: bool):
+  """What a timing runs: fn(q, k, v), or for forward + backward d sum(out) / d q, k, v."""
+  if not backward:
+    return fn
+  return jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+
+
 def jax_timer(fn, inputs, backward: bool):
   """-> once(): runs fn (or forward + backward) `reps` times, returns seconds per run."""
-  if backward:
-    run = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
-                           argnums=(0, 1, 2)))
-  else:
-    run = jax.jit(fn)
+  run = jax.jit(timed_program(fn, backward))
   return _calibrated(lambda: run(*inputs), jax.block_until_ready)
 
 

@@ -214,11 +214,12 @@ def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcon
       loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
           q, k, v, implementation=impl, **kw).astype(jnp.float32) * g.astype(jnp.float32))
       report = f"{label} {case}" if label.endswith(":bwd") and not args.smoke else None
+      grads = jax.grad(loss, (0, 1, 2))
       with _ptxas_report(out, report):
         if args.compile_only:
-          _compile_only(args, out, f"grad {case} {label}", jax.grad(loss, (0, 1, 2)), q, k, v)
+          _compile_only(args, out, f"grad {case} {label}", grads, q, k, v)
           return
-        got = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+        got = jax.block_until_ready(jax.jit(grads)(q, k, v))
     if case == "causal_gqa_8_2":
       want = _grads(*(_f64(x) for x in (q, k, v, g)))
     else:
@@ -319,9 +320,11 @@ def speed_jobs(lengths):
 
 
 def measure_speed(args, out, deadline, impls, jobs):
-  torch_device, note = bench._torch_device(argparse.Namespace(torch=True, smoke=args.smoke))
   if args.compile_only:  # torch compiles on its own card, at run time
     torch_device, note = None, "not run (--compile-only)"
+  else:
+    torch_device, note = bench._torch_device(argparse.Namespace(torch=True,
+                                                                smoke=args.smoke))
   out["torch"] = note
   say(f"[speed] torch: {note}")
   N, H = (2, 64) if args.smoke else (16, 128)
@@ -464,9 +467,7 @@ def _fast_backward():
 def _make(args, fn, inputs, backward=False, out=None, label=""):
   with _context(args):
     if args.compile_only:  # the program jax_timer would run, compiled; no timer
-      program = fn if not backward else jax.grad(
-          lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), (0, 1, 2))
-      _compile_only(args, out, label, program, *inputs)
+      _compile_only(args, out, label, bench.timed_program(fn, backward), *inputs)
       return None
     return bench.jax_timer(fn, inputs, backward)
 

@@ -119,7 +119,8 @@ def target_config(target: str) -> str:
 
   The folder is for a jax whose plugin embeds no descriptions (jax 0.11, the lent cards'
   version), which compiles for a card all the same when given one (tried: jax 0.11.2):
-  save them from a jax 0.12 venv, then point the variable at the folder."""
+  save them from a jax 0.12 venv, then point the variable at the folder. Read once per
+  target and process (cached), so set the variable before the first compile."""
   if target not in TARGETS:
     raise ValueError(f"target must be one of {sorted(TARGETS)}, got {target!r}")
   folder = os.environ.get(CONFIGS_FOLDER)
