@@ -170,3 +170,21 @@ def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
   assert {(r["case"], r["pass_"]) for r in result["speed"]} >= {
       (c, "fwd") for c in ("causal", "documents", "soft_cap", "window", "alibi", "no_mask")
   } | {(c, "fwd+bwd") for c in ("causal", "soft_cap", "documents")}
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("benchmarks/gpu_static.py", ["--ws-exp2-fma", "24"],
+     "--ws-exp2-fma: columns must be a multiple of 16 from 0 to 128, got 24"),
+    ("tools/mgpu_fast_check.py", ["--compile-only", "h300"],
+     "argument --compile-only: invalid choice: 'h300'"),
+    ("tools/mgpu_fast_check.py", ["--smoke", "--compile-only", "h100"],
+     "--smoke and --compile-only exclude each other"),
+])
+def test_a_bad_option_is_refused_before_any_work(script, argv, message):
+  """The options this round added: a bad value is the parser's error (exit 2), naming the
+  option and the value, before the script compiles anything."""
+  done = subprocess.run([sys.executable, str(ROOT / script), *argv], capture_output=True,
+                        text=True, timeout=300, cwd="/",
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 2, (done.stdout + done.stderr)[-2000:]
+  assert message in done.stderr, done.stderr[-2000:]

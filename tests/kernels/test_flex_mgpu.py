@@ -411,8 +411,8 @@ def test_ws_exp2_on_the_fma_pipe_against_float64(columns, monkeypatch):
   """ws_exp2_fma: the fast forward's exp2 of the last `columns` of each kv tile by
   fma_exp2 (the FP32 pipe), interpreted; out and lse against float64 on the hand-written
   mask with ALiBi and rows that see no key (their out exactly 0: masked entries give 0,
-  not 2**-125). The plan names the count; a count that is not a multiple of 16 from 0 to
-  128 is refused, naming it."""
+  not 2**-125); dq, dk, dv under jax.grad against float64. The plan names the count; a
+  count that is not a multiple of 16 from 0 to 128 is refused, naming it."""
   from jattn._src.kernels import flex_mgpu
   kw, allowed, score, _ = CASES["hand_written_alibi_empty_rows"]
   q, k, v = _inputs(seed=7)
@@ -426,6 +426,16 @@ def test_ws_exp2_on_the_fma_pipe_against_float64(columns, monkeypatch):
   want_lse = _lse(_f64(q), _f64(k), allowed, score, None)
   seen = np.isfinite(want_lse)
   np.testing.assert_allclose(_f64(lse)[seen], want_lse[seen], atol=_tolerance(want_lse[seen]))
+  # under jax.grad: the backward reads this forward's out and lse
+  cot = np.random.default_rng(8).standard_normal((B, T, N, H))
+  loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
+      q, k, v, implementation="flex_mgpu_ws", **kw).astype(jnp.float32) * cot)
+  with pallas_interpret(), flex_mgpu.ws_exp2_fma(columns):
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  _, *want_grads = reference_mods_vjp(_f64(q), _f64(k), _f64(v), cot, allowed=allowed,
+                                      score=score, d_score=None)
+  for name, got, w in zip("qkv", grads, want_grads):
+    np.testing.assert_allclose(_f64(got), w, atol=_tolerance(w), err_msg=f"d{name}")
   monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: (9, 0))
   shape = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   explain = lambda: str(jattn.explain(shape, shape, shape, implementation="flex_mgpu_ws",
