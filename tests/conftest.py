@@ -84,3 +84,27 @@ def pytest_collection_modifyitems(config, items):
   # The long tests first (stable order otherwise): under xdist a worker that draws a
   # 60-second test last keeps the whole run waiting on it alone.
   items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture
+def host_without_cuda(monkeypatch):
+  """A host without jax's CUDA plugin, as CI's: jax finds no cuDNN (its own check raises
+  what it raises there) and sees no GPU, so the CUDA plan is the portable one. With the
+  plugin installed cuDNN is found even without a GPU, and on a Hopper GPU flex_mgpu_ws
+  comes first: tests whose CUDA expectations are those of a plain CPU host take this."""
+  from jattn._src import compat
+  from jattn._src.impl import cudnn
+  from jattn._src.kernels import flex_mgpu
+
+  def no_cudnn(*args, **kwargs):
+    raise RuntimeError("cuDNN is not detected.")
+
+  check = compat.APIS["cudnn_check"][0]
+  monkeypatch.setattr(f"{check.module}.{check.names[-1]}", no_cudnn)
+  monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: None)
+  compat.refresh()
+  cudnn.cudnn_missing.cache_clear()
+  yield
+  monkeypatch.undo()  # before the answers are refreshed, so they read jax's own check again
+  compat.refresh()
+  cudnn.cudnn_missing.cache_clear()

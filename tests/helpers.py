@@ -6,6 +6,7 @@ import hypothesis
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 # The seed's hand-computable 4-token example (examples/worked_example.py).
 X = np.array([[1, 1, 1, 0], [1, 2, 1, 0], [0, 1, 0, 1], [0, 1, 1, 0]], np.float32)
@@ -18,6 +19,21 @@ EXPECTED = np.array([
     [3.8407, 7.5669, 3.8595],
     [3.7902, 7.4482, 3.8228],
 ])
+
+
+# Custom calls without jax's compatibility guarantee in jattn's CUDA programs: Triton's
+# (flex_gpu, jax's Pallas mha) and cuDNN's fused attention, which the plan takes where jax
+# finds cuDNN (a host with jax's CUDA plugin, with or without a GPU). An export made to be
+# read, never kept, allows them by name.
+TRITON = "__gpu$xla.gpu.triton"
+CUDNN = "__cudnn$fmha"  # the prefix of each of its targets
+CUDNN_TARGETS = tuple(f"{CUDNN}{kind}{way}" for kind in ("Softmax", "ScaleBiasSoftmax")
+                      for way in ("", "Backward"))
+
+
+def unguaranteed_calls() -> list:
+  """export.export's disabled_checks for the kernels of a CUDA program (above)."""
+  return [export.DisabledSafetyCheck.custom_call(t) for t in (TRITON, *CUDNN_TARGETS)]
 
 
 def randn(rng, shape, dtype=np.float32, scale=1.0):

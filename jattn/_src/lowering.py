@@ -37,7 +37,8 @@ def lowering_for(platform: str, device_kind: str = ABSTRACT_GPU_KIND):
   Examples:
     >>> import jax, jax.numpy as jnp, jattn
     >>> from jax import export
-    >>> f = jax.jit(lambda q: jattn.dot_product_attention(q, q, q, is_causal=True))
+    >>> soft_cap = jattn.mods.soft_cap(30.0)  # no cuDNN call takes it: jattn's Triton kernel
+    >>> f = jax.jit(lambda q: jattn.dot_product_attention(q, q, q, score_mod=soft_cap))
     >>> q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
     >>> triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     >>> with jattn.lowering_for("cuda"):

@@ -40,6 +40,9 @@ def _fresh_answers():
   cudnn.cudnn_missing.cache_clear()
 
 
+# the fallbacks expected on CUDA are those of a host without jax's CUDA plugin (conftest)
+pytestmark = pytest.mark.usefixtures("host_without_cuda")
+
 # APIs the oldest supported jax lacks (a test that needs one skips there)
 NEWER = {"mosaic_gpu_interpret": "jax >= 0.11"}
 
@@ -117,7 +120,7 @@ def test_without_triton_flex_mgpu_takes_over_and_without_mosaic_gpu_refuses(how,
   assert "jax.experimental.pallas.mosaic_gpu" in compat.missing("pallas_mosaic_gpu")
 
 
-def test_a_missing_cudnn_check_refuses_cudnn_with_the_reason(monkeypatch):
+def test_a_missing_cudnn_check_refuses_cudnn_with_the_reason(host_without_cuda, monkeypatch):
   q = jax.ShapeDtypeStruct((1, T, 2, 64), jnp.bfloat16)
   assert "cuDNN is not detected" in jattn.explain(q, q, q).reasons("cuda")["cudnn"]
   _take_away(monkeypatch, "cudnn_check", "attribute")

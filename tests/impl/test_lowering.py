@@ -17,12 +17,14 @@ from jax import export
 
 import jattn
 from jattn import mods
-from tests.helpers import raises
+from tests.helpers import TRITON, raises, unguaranteed_calls
 from tests.reference import reference_mods
+
+# the CUDA kernels expected are those of a host without jax's CUDA plugin (conftest)
+pytestmark = pytest.mark.usefixtures("host_without_cuda")
 
 B, T, N, K, H = 2, 640, 4, 2, 128  # T: five 128-tiles, two of flex_tpu's 512 (its tile
 # is no [T, S] tensor); no other axis is 640 long
-TRITON = "__gpu$xla.gpu.triton"
 KERNEL = {"tpu": "tpu_custom_call", "cuda": TRITON}
 IDS = np.repeat(np.array([[0, 1, 2], [0, 0, 1]]), [100, 200, 340], axis=1).astype(np.int32)
 
@@ -57,9 +59,9 @@ def _functions(kw):
 def _exported(fn, platform, kv_heads, dtype=jnp.bfloat16):
   q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
   kv = jax.ShapeDtypeStruct((B, T, kv_heads, H), dtype)
-  checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
   with jattn.lowering_for(platform):  # CUDA from this host: an abstract GPU (jax >= 0.11)
-    return export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+    return export.export(jax.jit(fn), platforms=[platform],
+                         disabled_checks=unguaranteed_calls())(
         q, kv, kv).mlir_module()
 
 
@@ -104,7 +106,7 @@ def test_relative_bias_gradient_exports_the_three_kernels_and_no_loop(platform):
       table)).implementation(platform) == {"tpu": "flex_tpu", "cuda": "flex_gpu"}[platform]
   with jattn.lowering_for(platform):
     text = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=[platform],
-                         disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+                         disabled_checks=unguaranteed_calls())(
         q, kv, kv, jax.ShapeDtypeStruct(table.shape, table.dtype)).mlir_module()
   prefix = {"tpu": "jattn_flex_tpu", "cuda": "jattn_flex_gpu"}[platform]
   assert set(re.findall(rf"{prefix}_(fwd|dq|dkv)\b", text)) == {"fwd", "dq", "dkv"}

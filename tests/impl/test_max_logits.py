@@ -22,7 +22,7 @@ import jattn
 from jattn import mods
 from jattn._src import compat
 from jattn._src.impl.interpret import pallas_interpret
-from tests.helpers import from_layout, raises, to_layout
+from tests.helpers import TRITON, from_layout, raises, to_layout, unguaranteed_calls
 from tests.reference import reference_max_logits
 from tests.reference_grads import reference_mods_vjp
 
@@ -191,7 +191,6 @@ def test_a_kernel_gradient_with_the_max_logits_asked_for():
 # ---------------------------------------------------------------- plans, export, errors
 
 EB, ET, EN, EH = 1, 256, 2, 64
-TRITON = "__gpu$xla.gpu.triton"
 
 
 def _abstract():
@@ -223,7 +222,7 @@ def test_export_with_max_logits_carries_the_fused_kernel(platform, kernel):
   for fn in (fwd, jax.grad(loss, argnums=(0, 1, 2))):
     with jattn.lowering_for(platform):
       text = export.export(jax.jit(fn), platforms=[platform],
-                           disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON)])(
+                           disabled_checks=unguaranteed_calls())(
                                *_abstract()).mlir_module()
     assert text.count(kernel) >= (1 if fn is fwd else 3), (platform, fn)
     assert not re.search(rf"tensor<(\d+x)*{ET}x{ET}x", text), platform

@@ -28,12 +28,11 @@ import jattn
 from jattn import mods
 from jattn._src import deviceless
 from jattn._src.impl.registry import CPU_BLOCKWISE_FROM
-from tests.helpers import hypothesis_tiers
+from tests.helpers import CUDNN, TRITON, hypothesis_tiers, unguaranteed_calls
 from tests.reference_grads import reference_mods_vjp
 
-TRITON = "__gpu$xla.gpu.triton"
 KERNEL_CALL = {"splash": "tpu_custom_call", "flex_tpu": "tpu_custom_call",
-               "pallas": TRITON, "flex_gpu": TRITON}
+               "pallas": TRITON, "flex_gpu": TRITON, "cudnn": CUDNN}
 PLATFORM_OF_KERNEL = {"splash": "tpu", "flex_tpu": "tpu", "pallas": "cuda", "flex_gpu": "cuda"}
 # the lengths the kernels tile well (powers of 2, multiples of 128), so their plans are
 # asked often, beside any length
@@ -174,9 +173,8 @@ def exports_or_refuses(spec, platform):
   for name, reason in report.reasons(platform).items():
     assert isinstance(reason, str) and reason, (name, reason)
   fn = jax.jit(jax.grad(lambda *a: _loss(kw, None, d_out)(*a)[0], (0, 1, 2)))
-  checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
   with jattn.lowering_for(platform):
-    text = export.export(fn, platforms=[platform], disabled_checks=checks)(
+    text = export.export(fn, platforms=[platform], disabled_checks=unguaranteed_calls())(
         *shapes).mlir_module()
   chosen = report.implementation(platform)
   if chosen in KERNEL_CALL:
@@ -201,9 +199,8 @@ def every_kernel_lowers_what_it_accepts(spec):
       assert choice.passed_over[0][1], kernel
       continue
     fn = jax.jit(jax.grad(lambda *a: _loss(kw, kernel, d_out)(*a)[0], (0, 1, 2)))
-    checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
     with jattn.lowering_for(platform):
-      text = export.export(fn, platforms=[platform], disabled_checks=checks)(
+      text = export.export(fn, platforms=[platform], disabled_checks=unguaranteed_calls())(
           *shapes).mlir_module()
     assert KERNEL_CALL[kernel] in text, kernel
 
@@ -243,7 +240,7 @@ def test_cross_attention_gradient_runs_on_cpu():
 @pytest.mark.parametrize("T, S, rule", [(16, 256, "same number of blocks"),
                                         (256, 8, "at least 16"),
                                         (128, 256, "same number of blocks")])
-def test_pallas_refuses_lengths_in_unequal_numbers_of_blocks(T, S, rule):
+def test_pallas_refuses_lengths_in_unequal_numbers_of_blocks(T, S, rule, host_without_cuda):
   q = jax.ShapeDtypeStruct((2, T, 4, 64), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, S, 4, 64), jnp.bfloat16)
   report = jattn.explain(q, kv, kv)

@@ -21,7 +21,7 @@ from configs import tiny  # noqa: E402
 
 @pytest.fixture
 def host_with_cudnn(monkeypatch):
-  """A CUDA build host: cuDNN is detected (here it is not, and explain says so)."""
+  """A CUDA build host: cuDNN is detected (without jax's CUDA plugin it is not)."""
   monkeypatch.setattr(cudnn, "cudnn_missing", lambda: None)
 
 
@@ -46,7 +46,7 @@ def test_cudnn_accepts_what_it_can_run(host_with_cudnn):
   assert _cudnn_reason(bias=jnp.zeros((1, 1, 16, 16)))["cuda"] is None
 
 
-def test_cudnn_is_refused_without_cudnn_on_the_host():
+def test_cudnn_is_refused_without_cudnn_on_the_host(host_without_cuda):
   assert "cuDNN is not detected" in _cudnn_reason()["cuda"]
 
 

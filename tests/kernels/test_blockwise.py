@@ -335,8 +335,8 @@ def test_block_sizes_errors():
     jattn.dot_product_attention(*_arrays(), implementation="xla", block_sizes=BS)
 
 
-def test_cudnn_is_refused_where_it_cannot_run():
-  """No GPU and no cuDNN here: refused before any work, naming what is missing."""
+def test_cudnn_is_refused_where_it_cannot_run(host_without_cuda):
+  """No GPU and no cuDNN: refused before any work, naming what is missing."""
   q, k, v = (x.astype(jnp.bfloat16) for x in _arrays())
   with pytest.raises(ValueError, match="implementation='cudnn' cannot run.*cuDNN is not detected"):
     jattn.dot_product_attention(q, k, v, implementation="cudnn")

@@ -26,11 +26,11 @@ from jattn._src.impl.interpret import pallas_interpret
 from jattn._src.kernels import flex_gpu, flex_gpu_call
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
+from tests.helpers import TRITON, unguaranteed_calls
 from tests.reference import reference_mods
 from tests.reference_grads import reference_vjp, table_grad
 
 B, T, S, N, K, H = 2, 40, 50, 4, 2, 24  # T, S and H not multiples of the tiles
-TRITON = "__gpu$xla.gpu.triton"
 
 
 def _inputs(T=T, S=S, N=N, K=K, H=H, D=H, dtype=jnp.float32, seed=0):
@@ -339,9 +339,8 @@ def _exported(kw, fn, dtype=jnp.bfloat16, T=384, N=4, K=2, Hd=128):
   if fn == "grad":
     f = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2),
                  argnums=(0, 1, 2))
-  checks = [export.DisabledSafetyCheck.custom_call(TRITON)]
   with jattn.lowering_for("cuda"):  # from this host: an abstract GPU (jax >= 0.11)
-    return export.export(jax.jit(f), platforms=["cuda"], disabled_checks=checks)(
+    return export.export(jax.jit(f), platforms=["cuda"], disabled_checks=unguaranteed_calls())(
         q, kv, kv).mlir_module()
 
 

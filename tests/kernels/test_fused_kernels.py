@@ -202,7 +202,7 @@ def test_default_picks_what_the_rule_says(monkeypatch, platform, dtype, kw, expe
   assert jattn.explain(q, k, v, **kw).implementation(platform) == expected
 
 
-def test_without_cudnn_on_the_host_cuda_takes_jattns_kernel():
+def test_without_cudnn_on_the_host_cuda_takes_jattns_kernel(host_without_cuda):
   q, k, v = (x.astype(jnp.bfloat16) for x in _arrays(2, 2, "BTNH"))
   report = jattn.explain(q, k, v, is_causal=True)
   assert report.implementation("cuda") == "flex_gpu"
