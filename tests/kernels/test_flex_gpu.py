@@ -361,7 +361,7 @@ EXPORTED = {
 @pytest.mark.parametrize("case", [
     "hand_written", *(pytest.param(c, marks=pytest.mark.thorough)
                       for c in EXPORTED if c != "hand_written")])
-def test_export_for_cuda_has_the_triton_kernels_and_no_TS_tensor(case):
+def test_export_for_cuda_has_the_triton_kernels_and_no_TS_tensor(case, host_without_cuda):
   """implementation=None, exported for CUDA from this CPU host: the forward is one Triton
   kernel, the gradient adds the dq and dk/dv kernels; nothing [T, S]-shaped is formed."""
   kw = EXPORTED[case]
