@@ -61,6 +61,16 @@ hypothesis.settings.register_profile(
     suppress_health_check=[hypothesis.HealthCheck.too_slow])
 
 
+# JATTN_TEST_GPU_CAPABILITY=9.0: the CUDA plans as on a host whose GPU has that compute
+# capability (9.x: flex_mgpu_ws first for bfloat16 at H = 128), with no GPU here, so that
+# the docs' examples and the tests without `host_without_cuda` are checked for a Hopper
+# host too (docs/testing.md)
+if os.environ.get("JATTN_TEST_GPU_CAPABILITY"):
+  from jattn._src.kernels import flex_mgpu as _flex_mgpu  # noqa: E402
+  _capability = tuple(int(x) for x in os.environ["JATTN_TEST_GPU_CAPABILITY"].split("."))
+  _flex_mgpu.gpu_capability = lambda: _capability
+
+
 # Tests marked `tpu` or `gpu` need that accelerator and run only where jax has
 # one (never in CI); `interpret` and `multidevice` tests run everywhere.
 import pytest  # noqa: E402
