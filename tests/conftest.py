@@ -7,6 +7,7 @@ float32 comparisons stay meaningful on accelerators with TF32 defaults.
 
 import os
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -65,9 +66,13 @@ hypothesis.settings.register_profile(
 # capability (9.x: flex_mgpu_ws first for bfloat16 at H = 128), with no GPU here, so that
 # the docs' examples and the tests without `host_without_cuda` are checked for a Hopper
 # host too (docs/testing.md)
-if os.environ.get("JATTN_TEST_GPU_CAPABILITY"):
+_as_gpu = os.environ.get("JATTN_TEST_GPU_CAPABILITY")
+if _as_gpu:
+  if not re.fullmatch(r"\d+\.\d+", _as_gpu):
+    raise ValueError(f"JATTN_TEST_GPU_CAPABILITY must be a compute capability such as 9.0, "
+                     f"got {_as_gpu!r}")
   from jattn._src.kernels import flex_mgpu as _flex_mgpu  # noqa: E402
-  _capability = tuple(int(x) for x in os.environ["JATTN_TEST_GPU_CAPABILITY"].split("."))
+  _capability = tuple(int(x) for x in _as_gpu.split("."))
   _flex_mgpu.gpu_capability = lambda: _capability
 
 

@@ -55,3 +55,27 @@ def test_docstring_examples_run():
   failed, attempted = runner.summarize(verbose=False)
   assert failed == 0, f"{failed} of {attempted} docstring examples failed (printed above)"
   assert ran >= 10, ran
+
+
+@pytest.mark.parametrize("value, runs", [("9.0", True), ("nine", False), ("9", False)])
+def test_the_hopper_plan_check_takes_a_compute_capability(value, runs, tmp_path):
+  """JATTN_TEST_GPU_CAPABILITY (conftest, docs/testing.md) plans CUDA calls as on that GPU:
+  9.0 puts flex_mgpu_ws first for a bfloat16 call at H = 128; a bad value stops the run
+  before any test, naming the variable."""
+  check = ("import jax, jax.numpy as jnp, jattn\n"
+           "def test_plan():\n"
+           "  q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)\n"
+           "  got = jattn.explain(q, q, q, is_causal=True, score_mod=jattn.mods.soft_cap(9.0))\n"
+           "  assert got.implementation('cuda') == 'flex_mgpu_ws', str(got)\n")
+  probe = tmp_path / "test_hopper_probe.py"
+  probe.write_text(check)
+  env = dict(os.environ, JATTN_TEST_GPU_CAPABILITY=value, JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         "-p", "tests.conftest", str(probe)], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  if runs:
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+  else:
+    assert done.returncode != 0
+    assert f"JATTN_TEST_GPU_CAPABILITY must be a compute capability such as 9.0, got {value!r}" in (
+        done.stdout + done.stderr), done.stdout[-2000:] + done.stderr[-2000:]
