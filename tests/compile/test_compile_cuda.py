@@ -29,6 +29,7 @@ import pytest
 import jattn
 from jattn._src import compat, deviceless_cuda
 from jattn._src.kernels import flex_gpu, flex_mgpu
+from tests.helpers import TRITON as _TRITON
 from tests.kernels.test_gpu import CASES, _case
 
 pytestmark = [
@@ -44,8 +45,7 @@ SHAPES = {"base": (1, 256, 256, 4, 2, 64), "h128": (1, 256, 256, 4, 2, 128),
           "h256": (1, 256, 256, 4, 2, 256), "cross": (1, 192, 320, 4, 2, 64),
           "unaligned": (1, 200, 200, 4, 1, 64)}
 
-# the custom-call targets of Pallas Triton and Mosaic GPU kernels in compiled HLO
-_TRITON = "__gpu$xla.gpu.triton"
+# the custom-call target of Mosaic GPU kernels in compiled HLO (Triton's: tests.helpers.TRITON)
 _MOSAIC = "mosaic_gpu_v2"
 
 

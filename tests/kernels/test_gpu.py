@@ -289,10 +289,7 @@ def test_every_mods_case_lowers_for_cuda_forward_and_backward(case):
   assert named in ("pallas", "flex_gpu"), named  # a mask or score function: a kernel
   forward = lambda q, k, v: jattn.dot_product_attention(q, k, v, **kw)
   grad = jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32)), (0, 1, 2))
-  triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-  with jattn.lowering_for("cuda"):
-    text = export.export(jax.jit(grad), platforms=["cuda"], disabled_checks=[triton])(
-        q, kv, kv).mlir_module()
+  text = _lowered_for_cuda(grad, q, kv, kv)
   assert set(KERNEL_NAMES[named]) <= set(re.findall(r'\bname = "(\w+)"', text))
 
 
