@@ -52,3 +52,23 @@ def test_gpu_static_reports_every_kernel_in_smoke_mode(tmp_path):
                                                loop["tensor_core_forms"]), (name, loop)
       assert loop["instructions"] < loop["kernel_instructions"]
   assert "jattn_flex_mgpu_dkv" in done.stdout  # the table
+
+
+def test_flex_gpu_kernels_do_not_spill_at_head_dim_128(tmp_path):
+  """flex_gpu (the programmable CUDA kernel where flex_mgpu_ws is not taken) at the card's
+  benchmark shape, as the compile tier's jax (0.12.0.1) compiles it: no kernel spills
+  registers. Its soft-cap dk/dv kernel spilled 112 bytes a thread (15 spill stores and 19
+  loads in its loop) until dK's update came before dV's (docs/gpu_kernel.md; jax 0.11.2's
+  Triton still spills 68 bytes there, 192 in the old order)."""
+  out = tmp_path / "static.json"
+  done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_static.py"),
+                         "--implementations", "flex_gpu", "--cases", "causal", "soft_cap",
+                         "documents", "--out", str(out)], capture_output=True, text=True,
+                        timeout=900, cwd="/")
+  assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+  report = json.loads(out.read_text())
+  assert not report["errors"] and len(report["results"]) == 3, report["errors"]
+  for result in report["results"]:
+    for name, k in result["kernels"].items():
+      assert k["spill_stores_bytes"] == 0 and k["budgets"]["no_spills"], (result["case"], name,
+                                                                          k["spill_stores_bytes"])

@@ -535,8 +535,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
         q, do = q_ref[rows, g, :], do_ref[rows, g, :]
       probs, ds = _by_class(r, b, n, i, j, lambda full: _tile_grads(
           p, r, b, n, i, j, q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], full)[:2])
-      dv = dv + _dot(probs.astype(do.dtype), do, ((0,), (0,)), do.dtype)  # dV += P^T dO
+      # dK first, while dS is fresh: in the other order the soft-cap kernel spilled 112 B
+      # a thread (H = 128; test_gpu_static.py)
       dk = dk + _dot(ds.astype(q.dtype), q, ((0,), (0,)), q.dtype)  # dK += dS^T q
+      dv = dv + _dot(probs.astype(do.dtype), do, ((0,), (0,)), do.dtype)  # dV += P^T dO
       return dk, dv
 
     return jax.lax.fori_loop(0, r.q_count(b, n, j), body, carry)
