@@ -63,8 +63,12 @@ def visible_fraction(case: str, T: int) -> float:
           if T > WINDOW else causal}.get(case, causal)
 
 
+CASES = ("causal", "no_mask", "documents", "soft_cap", "window", "alibi")
+
+
 def case_kwargs(case: str, B: int, T: int, N: int) -> dict:
-  """The dot_product_attention arguments of `case` (the module docstring's list)."""
+  """The dot_product_attention arguments of `case`, one of CASES (the module docstring's
+  list); benchmarks/gpu_static.py compiles the same calls."""
   ids = jnp.asarray(np.repeat(np.arange(DOCUMENTS), -(-T // DOCUMENTS))[:T][None].repeat(B, 0))
   return {"causal": dict(is_causal=True), "no_mask": dict(),
           "documents": dict(mask_mod=mods.document(ids)),
@@ -346,8 +350,7 @@ def main(argv=None):
   parser.add_argument("--H", type=int, default=128)
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--rounds", type=int, default=7)
-  parser.add_argument("--cases", nargs="+", default=["causal", "no_mask", "documents",
-                                                      "soft_cap", "window", "alibi"])
+  parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
   parser.add_argument("--deadline", type=float, default=1e9, help="seconds")
   parser.add_argument("--no-torch", dest="torch", action="store_false")
   parser.add_argument("--sweep", action="store_true",

@@ -62,11 +62,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jattn  # noqa: E402
 from jattn import mods  # noqa: E402
 from jattn._src import deviceless_cuda  # noqa: E402
+from benchmarks.gpu_kernels import CASES, SOFT_CAP, case_kwargs  # noqa: E402
 
 KERNELS = {"flex_gpu": ("jattn_flex_gpu_fwd", "jattn_flex_gpu_dq", "jattn_flex_gpu_dkv"),
            "flex_mgpu": ("jattn_flex_mgpu_fwd", "jattn_flex_mgpu_dq", "jattn_flex_mgpu_dkv"),
@@ -81,33 +81,19 @@ SMEM_LIMIT = 232448
 # paged_gpu's decode step: benchmarks/decode.py's batch (B = 8 rows of up to 32k, pages of
 # 64 in a pool of 600, N = 16, K = 4), one query a row (T = 1), no write
 DECODE = dict(B=8, max_length=32768, page_size=64, num_pages=600, N=16, K=4)
-DOCUMENTS = 16
-SOFT_CAP = 30.0
+DECODE_CASES = ("causal", "soft_cap", "int8")
 _MOSAIC_DUMPS = ("MOSAIC_GPU_DUMP_PTX", "MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_RESOURCES")
 
 
 # ---------------------------------------------------------------- the calls
 
 
-def case_kwargs(case: str, B: int, T: int, N: int) -> dict:
-  if case == "causal":
-    return dict(is_causal=True)
-  if case == "soft_cap":
-    return dict(is_causal=True, score_mod=mods.soft_cap(SOFT_CAP))
-  if case == "alibi":
-    return dict(is_causal=True, score_mod=mods.alibi(mods.alibi_slopes(N)))
-  if case == "documents":
-    ids = jnp.asarray(np.repeat(np.arange(DOCUMENTS), -(-T // DOCUMENTS))[:T][None]
-                      .repeat(B, 0).astype(np.int32))
-    return dict(mask_mod=mods.document(ids, ids))
-  raise ValueError(f"case must be causal, soft_cap, alibi or documents, got {case!r}")
-
-
 def decode_program(case: str, *, H, dtype):
   """paged_gpu's forward decode step (it has no backward): causal, soft_cap (causal),
   int8 (causal over int8 pages, the queries in `dtype`)."""
-  if case not in ("causal", "soft_cap", "int8"):
-    raise ValueError(f"paged_gpu takes no per-token arrays: case {case!r} is not compiled")
+  if case not in DECODE_CASES:
+    raise ValueError(f"paged_gpu's decode step is compiled for {', '.join(DECODE_CASES)}; "
+                     f"got case {case!r}")
   kw = dict(is_causal=True)
   if case == "soft_cap":
     kw["score_mod"] = mods.soft_cap(SOFT_CAP)
@@ -462,7 +448,9 @@ def main(argv=None) -> int:
   parser.add_argument("--target", default="h100", choices=sorted(deviceless_cuda.TARGETS))
   parser.add_argument("--implementations", nargs="+", default=list(KERNELS),
                       choices=list(KERNELS))
-  parser.add_argument("--cases", nargs="+", default=["causal", "soft_cap", "documents"])
+  # benchmarks/gpu_kernels.py's calls; int8: paged_gpu's decode over int8 pages
+  parser.add_argument("--cases", nargs="+", default=["causal", "soft_cap", "documents"],
+                      choices=CASES + ("int8",))
   parser.add_argument("--B", type=int, default=1)
   parser.add_argument("--T", type=int, default=1024)
   parser.add_argument("--N", type=int, default=4)
@@ -495,8 +483,8 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory(prefix="gpu_static_") as work, exp2_fma:
     for implementation in args.implementations:
       for case in args.cases:
-        if implementation == "paged_gpu" and case == "documents":
-          continue  # refused by its plan (a per-token array): nothing to compile
+        if implementation == "paged_gpu" and case not in DECODE_CASES:
+          continue  # a decode step's cases only (documents: a per-token array, refused)
         if implementation != "paged_gpu" and case == "int8":
           continue  # int8 pages: a decode cache's, paged_gpu's case only
         try:

@@ -175,6 +175,10 @@ def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
 @pytest.mark.parametrize("script,argv,message", [
     ("benchmarks/gpu_static.py", ["--ws-exp2-fma", "24"],
      "--ws-exp2-fma: columns must be a multiple of 16 from 0 to 128, got 24"),
+    ("benchmarks/gpu_static.py", ["--cases", "causal", "softcap"],
+     "argument --cases: invalid choice: 'softcap'"),
+    ("benchmarks/gpu_kernels.py", ["--cases", "documents", "int8"],
+     "argument --cases: invalid choice: 'int8'"),
     ("tools/mgpu_fast_check.py", ["--compile-only", "h300"],
      "argument --compile-only: invalid choice: 'h300'"),
     ("tools/mgpu_fast_check.py", ["--smoke", "--compile-only", "h100"],
