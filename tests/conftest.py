@@ -108,7 +108,6 @@ def host_without_cuda(monkeypatch):
   plugin installed cuDNN is found even without a GPU, and on a Hopper GPU flex_mgpu_ws
   comes first: tests whose CUDA expectations are those of a plain CPU host take this."""
   from jattn._src import compat
-  from jattn._src.impl import cudnn
   from jattn._src.kernels import flex_mgpu
 
   def no_cudnn(*args, **kwargs):
@@ -117,9 +116,7 @@ def host_without_cuda(monkeypatch):
   check = compat.APIS["cudnn_check"][0]
   monkeypatch.setattr(f"{check.module}.{check.names[-1]}", no_cudnn)
   monkeypatch.setattr(flex_mgpu, "gpu_capability", lambda: None)
-  compat.refresh()
-  cudnn.cudnn_missing.cache_clear()
+  compat.refresh()  # cuDNN's answer too (compat.derived)
   yield
   monkeypatch.undo()  # before the answers are refreshed, so they read jax's own check again
   compat.refresh()
-  cudnn.cudnn_missing.cache_clear()

@@ -112,9 +112,24 @@ def load(api: str):
   return found
 
 
+# cache_clear of each answer read from these (`derived`): forgotten with them
+_DERIVED: list = []
+
+
+def derived(fn):
+  """Decorates an answer read from this module's (fn takes no arguments): cached once, and
+  forgotten by `refresh` with the answers it was read from."""
+  cached = functools.lru_cache(maxsize=1)(fn)
+  _DERIVED.append(cached.cache_clear)
+  return cached
+
+
 def refresh() -> None:
-  """Forgets every answer (tests that take an API away and put it back)."""
+  """Forgets every answer and every `derived` one (tests that take an API away and put it
+  back)."""
   _loaded.cache_clear()
+  for forget in _DERIVED:
+    forget()
 
 
 def open_jaxpr(closed):

@@ -17,7 +17,6 @@ import pytest
 import jattn
 from jattn import mods
 from jattn._src import compat
-from jattn._src.impl import cudnn
 from tests.helpers import raises
 
 
@@ -28,16 +27,13 @@ def _take_away(monkeypatch, api: str, how: str):
   else:  # the module exists, without the (last) name jattn reads
     monkeypatch.delattr(importlib.import_module(loader.module), loader.names[-1])
   compat.refresh()
-  cudnn.cudnn_missing.cache_clear()
 
 
 @pytest.fixture(autouse=True)
 def _fresh_answers():
   compat.refresh()
-  cudnn.cudnn_missing.cache_clear()
   yield
   compat.refresh()
-  cudnn.cudnn_missing.cache_clear()
 
 
 # the fallbacks expected on CUDA are those of a host without jax's CUDA plugin (conftest)

@@ -9,7 +9,6 @@ cannot take a call (never a silent fallback); it is asked only for the
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ class CudnnPlan:
   return_residual: bool
 
 
-@functools.lru_cache(maxsize=1)
+@compat.derived  # forgotten with compat's answers (compat.refresh)
 def cudnn_missing() -> str | None:
   """Why jax cannot build a cuDNN call on this host (jax.nn raises then), or None."""
   reason = compat.missing("cudnn_check")  # a private jax name
