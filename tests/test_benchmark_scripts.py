@@ -166,6 +166,10 @@ def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
   assert [r["impl"] for r in result["values"] if r["impl"].startswith("default:")] == [
       "default:flex_gpu"]  # no GPU seen here: the portable CUDA choice
   assert {"flex_mgpu", "flex_mgpu:tiles"} <= {r["contender"] for r in result["speed"]}
+  # the goals, from the run's own rows (benchmarks/gpu_goals.py): printed and saved
+  assert result["goals"] and "fastest jattn path" in done.stdout
+  assert {g["goal"] for g in result["goals"]} == {"causal_vs_cudnn", "flex_attention",
+                                                  "documents_16", "soft_cap"}
   # every mask of issue 45's goals is timed forward; documents forward + backward too
   assert {(r["case"], r["pass_"]) for r in result["speed"]} >= {
       (c, "fwd") for c in ("causal", "documents", "soft_cap", "window", "alibi", "no_mask")

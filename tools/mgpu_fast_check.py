@@ -43,7 +43,9 @@ Order: causal's values, the gradients, causal and soft-cap forward + backward at
 4096, the other values, the other timings (documents' forward + backward first). Each
 case's failure is caught, printed and recorded; the next case runs. New work stops
 starting after --deadline seconds.
-JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT).
+JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT). At the end, issue 45's goals and the
+fastest jattn path of each timed call, from the run's timings (benchmarks/gpu_goals.py):
+printed, and in the JSON under "goals".
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ from jattn import mods  # noqa: E402
 from jattn._src import deviceless_cuda  # noqa: E402
 from jattn._src.impl.interpret import pallas_interpret  # noqa: E402
 from jattn._src.kernels import flex_mgpu, kernel_inputs  # noqa: E402
+from benchmarks import gpu_goals  # noqa: E402
 from benchmarks import gpu_kernels as bench  # noqa: E402
 from tests.reference import reference_mods  # noqa: E402
 from tests.reference_grads import reference_mods_vjp  # noqa: E402
@@ -605,6 +608,12 @@ def main(argv=None):
                           skipped=len(out["skipped"]),
                           compiled=len(out["compiled"]) - len(failed),
                           compile_failed=len(failed))
+    if out["speed"]:  # issue 45's goals and the fastest paths, from this run's timings
+      try:
+        out["goals"] = gpu_goals.goals(out["speed"])
+        say(gpu_goals.report(out["speed"]))
+      except Exception as e:  # noqa: BLE001  (the JSON below is written whatever happens)
+        out["errors"].append(dict(stage="goals", error=_error(e)))
     (outdir / "mgpu_fast_check.json").write_text(json.dumps(out, indent=1, default=str))
     say(f"[mgpu_fast_check] done in {out['seconds']} s: {out['summary']}")
   return out
