@@ -375,7 +375,8 @@ def measure_speed(args, out, deadline, impls, jobs):
 
 def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
   """name -> fn(q, k, v) [B, T, N, H]: the fast path's variants ("flex_mgpu_ws:kv64" its
-  64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels; ":fma16" / ":fma32" part
+  64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels, ":bwd:mask_mod" those
+  with causal as a mask_mod; ":fma16" / ":fma32" part
   of its exp2 on the FP32 pipe; ":tiles", causal, each
   Mosaic GPU path through the to_tiles transposes it no longer needs), the reference
   (causal only: the interpreted design's cost), flex_gpu and cuDNN (causal)."""
@@ -399,6 +400,11 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
     # the card says which is faster, spills and all: flex_mgpu._ws_dkv_rows)
     other = 64 if case == "soft_cap" else 32
     out[f"{FAST}:bwd:rows{other}"] = lambda q, k, v: fast_backward(q, k, v, other)
+    if case == "causal":  # issue 45's goal names causal as a mask_mod, forward + backward
+      def fast_backward_mask_mod(q, k, v):
+        with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv():
+          return attend(FAST, dict(mask_mod=mods.causal()))(q, k, v)
+      out[f"{FAST}:bwd:mask_mod"] = fast_backward_mask_mod
   if FAST in impls and not backward and case in ("causal", "soft_cap"):
     # part of the softmax's exp2 on the FP32 pipe (flex_mgpu.ws_exp2_fma), since soft-cap's
     # tanh shares the special-function unit with it: 16 columns, the SASS model's choice,
