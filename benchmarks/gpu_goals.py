@@ -46,10 +46,17 @@ def _fastest(rows, case, T, pass_, accept) -> dict | None:
   return min(found, key=lambda r: r["ms"]) if found else None
 
 
+def _named(name):
+  return lambda contender: contender == name
+
+
+def _pair(row) -> tuple | None:
+  return (row["contender"], row["ms"]) if row else None
+
+
 def _compare(goal, case, T, pass_, ours, theirs, what) -> dict:
   row = dict(goal=goal, case=case, what=what, T=T, pass_=pass_, bound=BOUNDS[goal],
-             ours=ours and (ours["contender"], ours["ms"]),
-             theirs=theirs and (theirs["contender"], theirs["ms"]), ratio=None, met=None)
+             ours=_pair(ours), theirs=_pair(theirs), ratio=None, met=None)
   if ours and theirs:
     row["ratio"] = ours["ms"] / theirs["ms"]
     row["met"] = row["ratio"] <= row["bound"]
@@ -62,16 +69,15 @@ def goals(rows) -> list[dict]:
   lengths = sorted({r["T"] for r in rows}) or [4096, 16384]
   out = []
   for T in lengths:
-    named = lambda name: (lambda c: c == name)
     out.append(_compare("causal_vs_cudnn", "causal", T, "fwd",
-                        _fastest(rows, "causal", T, "fwd", named("flex_mgpu_ws:mask_mod")),
-                        _fastest(rows, "causal", T, "fwd", named("cudnn")),
+                        _fastest(rows, "causal", T, "fwd", _named("flex_mgpu_ws:mask_mod")),
+                        _fastest(rows, "causal", T, "fwd", _named("cudnn")),
                         "causal as mask_mod / cuDNN causal"))
     as_mask_mod = _fastest(rows, "causal", T, "fwd+bwd",
                            lambda c: is_jattn(c) and c.endswith(":mask_mod"))
     out.append(_compare("causal_vs_cudnn", "causal", T, "fwd+bwd",
                         as_mask_mod or _fastest(rows, "causal", T, "fwd+bwd", is_jattn),
-                        _fastest(rows, "causal", T, "fwd+bwd", named("cudnn")),
+                        _fastest(rows, "causal", T, "fwd+bwd", _named("cudnn")),
                         f"causal ({'mask_mod' if as_mask_mod else 'is_causal'}) / cuDNN "
                         "causal"))
   for case in MASKS:
@@ -102,10 +108,8 @@ def fastest(rows) -> list[dict]:
   """Per timed (case, T, pass_): the fastest jattn path and the fastest contender."""
   keys = sorted({(r["case"], r["T"], r["pass_"]) for r in rows})
   return [dict(case=case, T=T, pass_=pass_,
-               jattn=(lambda r: r and (r["contender"], r["ms"]))(
-                   _fastest(rows, case, T, pass_, is_jattn)),
-               any=(lambda r: (r["contender"], r["ms"]))(
-                   _fastest(rows, case, T, pass_, lambda c: True)))
+               jattn=_pair(_fastest(rows, case, T, pass_, is_jattn)),
+               any=_pair(_fastest(rows, case, T, pass_, lambda c: True)))
           for case, T, pass_ in keys]
 
 
