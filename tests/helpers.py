@@ -3,6 +3,7 @@
 import contextlib
 
 import hypothesis
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,6 +35,15 @@ CUDNN_TARGETS = tuple(f"{CUDNN}{kind}{way}" for kind in ("Softmax", "ScaleBiasSo
 def unguaranteed_calls() -> list:
   """export.export's disabled_checks for the kernels of a CUDA program (above)."""
   return [export.DisabledSafetyCheck.custom_call(t) for t in (TRITON, *CUDNN_TARGETS)]
+
+
+def exported_text(fn, platform: str, *args) -> str:
+  """The StableHLO text of jit(fn)(*args) exported for `platform` from this host (CUDA:
+  an abstract GPU, jax >= 0.11), its kernels' custom calls allowed: a program to read."""
+  import jattn  # noqa: PLC0415  (the helpers' other users need no jattn)
+  with jattn.lowering_for(platform):
+    return export.export(jax.jit(fn), platforms=[platform],
+                         disabled_checks=unguaranteed_calls())(*args).mlir_module()
 
 
 def randn(rng, shape, dtype=np.float32, scale=1.0):

@@ -17,7 +17,7 @@ from jax import export
 
 import jattn
 from jattn import mods
-from tests.helpers import TRITON, raises, unguaranteed_calls
+from tests.helpers import TRITON, exported_text, raises
 from tests.reference import reference_mods
 
 # the CUDA kernels expected are those of a host without jax's CUDA plugin (conftest)
@@ -59,10 +59,7 @@ def _functions(kw):
 def _exported(fn, platform, kv_heads, dtype=jnp.bfloat16):
   q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
   kv = jax.ShapeDtypeStruct((B, T, kv_heads, H), dtype)
-  with jattn.lowering_for(platform):  # CUDA from this host: an abstract GPU (jax >= 0.11)
-    return export.export(jax.jit(fn), platforms=[platform],
-                         disabled_checks=unguaranteed_calls())(
-        q, kv, kv).mlir_module()
+  return exported_text(fn, platform, q, kv, kv)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
@@ -104,10 +101,8 @@ def test_relative_bias_gradient_exports_the_three_kernels_and_no_loop(platform):
   kv = jax.ShapeDtypeStruct((B, 512, K, H), jnp.bfloat16)
   assert jattn.explain(q, kv, kv, is_causal=True, score_mod=mods.relative_bias(
       table)).implementation(platform) == {"tpu": "flex_tpu", "cuda": "flex_gpu"}[platform]
-  with jattn.lowering_for(platform):
-    text = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))), platforms=[platform],
-                         disabled_checks=unguaranteed_calls())(
-        q, kv, kv, jax.ShapeDtypeStruct(table.shape, table.dtype)).mlir_module()
+  text = exported_text(jax.grad(loss, argnums=(0, 1, 2, 3)), platform, q, kv, kv,
+                       jax.ShapeDtypeStruct(table.shape, table.dtype))
   prefix = {"tpu": "jattn_flex_tpu", "cuda": "jattn_flex_gpu"}[platform]
   assert set(re.findall(rf"{prefix}_(fwd|dq|dkv)\b", text)) == {"fwd", "dq", "dkv"}
   assert text.count(f"@{KERNEL[platform]}(") == 3

@@ -16,13 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 import jattn
 from jattn import mods
 from jattn._src import compat
 from jattn._src.impl.interpret import pallas_interpret
-from tests.helpers import TRITON, from_layout, raises, to_layout, unguaranteed_calls
+from tests.helpers import TRITON, exported_text, from_layout, raises, to_layout
 from tests.reference import reference_max_logits
 from tests.reference_grads import reference_mods_vjp
 
@@ -220,10 +219,7 @@ def test_export_with_max_logits_carries_the_fused_kernel(platform, kernel):
                                                     return_max_logits=True)
   loss = lambda q, k, v: jnp.sum(fwd(q, k, v)[0].astype(jnp.float32) ** 2)
   for fn in (fwd, jax.grad(loss, argnums=(0, 1, 2))):
-    with jattn.lowering_for(platform):
-      text = export.export(jax.jit(fn), platforms=[platform],
-                           disabled_checks=unguaranteed_calls())(
-                               *_abstract()).mlir_module()
+    text = exported_text(fn, platform, *_abstract())
     assert text.count(kernel) >= (1 if fn is fwd else 3), (platform, fn)
     assert not re.search(rf"tensor<(\d+x)*{ET}x{ET}x", text), platform
 

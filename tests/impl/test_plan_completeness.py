@@ -22,13 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 import jattn
 from jattn import mods
 from jattn._src import deviceless
 from jattn._src.impl.registry import CPU_BLOCKWISE_FROM
-from tests.helpers import CUDNN, TRITON, hypothesis_tiers, unguaranteed_calls
+from tests.helpers import CUDNN, TRITON, exported_text, hypothesis_tiers
 from tests.reference_grads import reference_mods_vjp
 
 KERNEL_CALL = {"splash": "tpu_custom_call", "flex_tpu": "tpu_custom_call",
@@ -173,9 +172,7 @@ def exports_or_refuses(spec, platform):
   for name, reason in report.reasons(platform).items():
     assert isinstance(reason, str) and reason, (name, reason)
   fn = jax.jit(jax.grad(lambda *a: _loss(kw, None, d_out)(*a)[0], (0, 1, 2)))
-  with jattn.lowering_for(platform):
-    text = export.export(fn, platforms=[platform], disabled_checks=unguaranteed_calls())(
-        *shapes).mlir_module()
+  text = exported_text(fn, platform, *shapes)
   chosen = report.implementation(platform)
   if chosen in KERNEL_CALL:
     assert KERNEL_CALL[chosen] in text, (chosen, str(report))
@@ -199,9 +196,7 @@ def every_kernel_lowers_what_it_accepts(spec):
       assert choice.passed_over[0][1], kernel
       continue
     fn = jax.jit(jax.grad(lambda *a: _loss(kw, kernel, d_out)(*a)[0], (0, 1, 2)))
-    with jattn.lowering_for(platform):
-      text = export.export(fn, platforms=[platform], disabled_checks=unguaranteed_calls())(
-          *shapes).mlir_module()
+    text = exported_text(fn, platform, *shapes)
     assert KERNEL_CALL[kernel] in text, kernel
 
 

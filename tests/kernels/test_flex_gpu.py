@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 import jattn
 from jattn import mods
@@ -26,7 +25,7 @@ from jattn._src.impl.interpret import pallas_interpret
 from jattn._src.kernels import flex_gpu, flex_gpu_call
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
-from tests.helpers import TRITON, unguaranteed_calls
+from tests.helpers import TRITON, exported_text
 from tests.reference import reference_mods
 from tests.reference_grads import reference_vjp, table_grad
 
@@ -339,9 +338,7 @@ def _exported(kw, fn, dtype=jnp.bfloat16, T=384, N=4, K=2, Hd=128):
   if fn == "grad":
     f = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2),
                  argnums=(0, 1, 2))
-  with jattn.lowering_for("cuda"):  # from this host: an abstract GPU (jax >= 0.11)
-    return export.export(jax.jit(f), platforms=["cuda"], disabled_checks=unguaranteed_calls())(
-        q, kv, kv).mlir_module()
+  return exported_text(f, "cuda", q, kv, kv)
 
 
 EXPORTED = {

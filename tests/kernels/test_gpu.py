@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 import jattn
 from jattn import mods
 from jattn._src.impl.interpret import pallas_interpret
-from tests.helpers import unguaranteed_calls
+from tests.helpers import exported_text
 from tests.reference import reference_max_logits
 from tests.reference_grads import reference_mods_vjp, reference_vjp
 
@@ -234,9 +233,7 @@ def kernels_in(text: str) -> str:
 def _lowered_for_cuda(fn, *args) -> str:
   if ON_GPU:
     return jax.jit(fn).lower(*args).as_text()
-  with jattn.lowering_for("cuda"):
-    return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=unguaranteed_calls())(
-        *args).mlir_module()
+  return exported_text(fn, "cuda", *args)
 
 
 DISPATCH_CASES = (("causal", "bfloat16", "base"), ("none", "float16", "h128"),
