@@ -198,7 +198,9 @@ def preference(call, platform: str) -> tuple[str, ...]:
 # (tools/mgpu_fast_check.py, benchmarks/results/gpu_h100_mgpu_fast.json: 15 value checks
 # against float64: causal, documents, a sliding window, chunked, prefix-LM, soft-cap,
 # ALiBi, grouped heads, T != S, unaligned T, empty rows). Its backward there is
-# flex_mgpu's kernels (checked over tests/kernels/test_gpu.py's cases on the same card).
+# flex_mgpu's kernels (checked over tests/kernels/test_gpu.py's cases on the same card;
+# since 2026-11-28 they accumulate into carried accumulators, which no card has run yet:
+# docs/gpu_kernel.md, "flex_mgpu's spills, fixed").
 _HOPPER_CHECKED = (jnp.dtype(jnp.bfloat16), 128)
 
 

@@ -5,11 +5,13 @@ applied (`_logits`).
 Each program is one thread block with one warpgroup (128 threads). Its own tile (a
 query tile, or a key/value tile) is copied once by TMA into shared memory (SMEM);
 the other side's tiles are copied by TMA into two SMEM slots, the next while the
-current one computes. Products run on the tensor cores by `wgmma`, each into a fresh
-float32 accumulator (`pl.run_scoped(..., plgpu.ACC)`), added in registers; a
-probability tile goes to SMEM and is read back by the next `wgmma` (the GPU
-interpreter runs neither an accumulator carried by `pl.run_state` nor a register
-operand, so neither is used: one code path, interpreted and compiled).
+current one computes. Products run on the tensor cores by `wgmma` from SMEM; a
+probability (or dS) tile goes to SMEM and is read back by the next `wgmma`, never as a
+register operand. A tile's S and dP each take a fresh float32 accumulator
+(`pl.run_scoped(..., plgpu.ACC)`); the products summed over the loop (out, dq, dk, dv)
+accumulate, compiled, into the carried accumulator itself (`pl.run_state`, `_mma_into`).
+The GPU interpreter runs no carried accumulator: interpreted, those go into a fresh one,
+added in registers. That is the one place the two paths differ.
 
 Side inputs reach the tile through SMEM (export refuses loads from global memory):
   * a program's row of the block tables: [count, tile * 2 + FULL, ...] as [R, 32];
@@ -321,6 +323,19 @@ def _mma(a, b, shape):
   return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
+def _mma_into(p: Plan, acc, a, b):
+  """acc + a @ b on the tensor cores (a, b: SMEM refs; acc float32 in registers). Compiled,
+  the `wgmma` accumulates into acc itself (`pl.run_state`): no second [rows, E] float32
+  tile live beside it, which made the dk/dv kernel spill (benchmarks/gpu_static.py). The
+  GPU interpreter runs no carried accumulator: there a fresh one, added in registers."""
+  if p.interpret:
+    return acc + _mma(a, b, acc.shape)
+
+  def step(acc_ref):
+    plgpu.wgmma(acc_ref, a, b)
+  return pl.run_state(step)(plgpu.ACC.init(acc))
+
+
 def _tile_smem(shape, dtype, swizzle=128):
   """An SMEM buffer laid out for wgmma: rows of `swizzle` bytes (8 x 64 tiles of 16-bit
   values at the default 128-byte swizzle), swizzled."""
@@ -461,8 +476,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, p: Plan, tm, where, arrays, L: L
     alpha = jnp.exp(m - m_next)
     smem["probs"][...] = probs.astype(smem["probs"].dtype)
     plgpu.commit_smem()  # the registers' stores, visible to the tensor cores
-    pv = _mma(smem["probs"], smem["v"].at[slot], (bq, E))
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    acc = _mma_into(p, acc, smem["probs"], smem["v"].at[slot])  # acc += P v
     return acc, m_next, alpha * l + probs.sum(axis=1)
 
   init = (plgpu.layout_cast(jnp.zeros((bq, E), jnp.float32), _WGMMA),
@@ -524,15 +539,34 @@ def gradients_out(p: Plan, layout: Layout, L: Letters, dq, dk, dv):
   return tuple(without_batch(x, layout) for x in (dq, dk, dv))
 
 
+def tile_probs(p: Plan, side: _Side, b, n, i, j, s, lse, slot, *, transposed: bool,
+               full: bool):
+  """P float32 in s's orientation from the logits s (score_mod applied), masked entries 0:
+  a row with no visible key has lse = LARGE_NEGATIVE too."""
+  s, keep = masked(p, side, b, n, i, j, s, slot, transposed=transposed, full=full)
+  axis = 0 if transposed else 1  # the axis lse is broadcast along
+  probs = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [1 - axis]))
+  return probs if keep is None else jnp.where(keep, probs, 0.0)
+
+
 def _tile_grads(p, side, b, n, i, j, s, dp, lse, delta, slot, transposed, full):
   """-> (probs, dS = d (q k^T) with the scale): float32 tiles in s's orientation."""
-  s, keep, d_score = _logits(p, side, b, n, i, j, s, slot, transposed=transposed, full=full)
-  axis = 0 if transposed else 1  # the axis lse and delta are broadcast along
-  stat = lambda x: lax.broadcast_in_dim(x, s.shape, [1 - axis])
-  probs = jnp.exp(s - stat(lse))
-  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
-    probs = jnp.where(keep, probs, 0.0)
-  return probs, d_score(probs * (dp - stat(delta))) * p.scale
+  s, d_score = scored(p, side, b, n, i, j, s, transposed=transposed)
+  probs = tile_probs(p, side, b, n, i, j, s, lse, slot, transposed=transposed, full=full)
+  stat = lax.broadcast_in_dim(delta, s.shape, [1 if transposed else 0])
+  return probs, d_score(probs * (dp - stat)) * p.scale
+
+
+def weighted_probs(p: Plan, side: _Side, b, n, i, j, s, lse, slot, transposed, full):
+  """(P, scale * g P) from s = scale * q k^T, g the derivative of score_mod: dS = g P (dP -
+  delta) once dP is known. score_mod acts entry by entry, so its VJP is a product by g and
+  d_score(P) (dP - delta) = d_score(P (dP - delta)); forming g P first lets S and dP never
+  be live together (with both, the dk/dv kernels spilled), and score_mod's residual dies
+  with P's float32 copy. It runs outside the FULL / PARTIAL branch (the same in both)."""
+  s, d_score = scored(p, side, b, n, i, j, s, transposed=transposed)
+  probs = _by_class(full, lambda full: tile_probs(p, side, b, n, i, j, s, lse, slot,
+                                                  transposed=transposed, full=full))
+  return probs, d_score(probs) * p.scale
 
 
 def _dq(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
@@ -574,12 +608,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
   def body(k, slot, dq):
     j, full = side.step(k)
     s = _mma(smem["q"], smem["k"].at[slot].T, (bq, bk)) * p.scale
+    _, weighted = weighted_probs(p, side, b, n, i, j, s, lse, slot, False, full)
     dp = _mma(smem["do"], smem["v"].at[slot].T, (bq, bk))  # dP = dO v^T
-    _, ds = _by_class(full, lambda full: _tile_grads(p, side, b, n, i, j, s, dp, lse, delta,
-                                                     slot, False, full))
+    ds = weighted * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
     smem["ds"][...] = ds.astype(smem["ds"].dtype)
     plgpu.commit_smem()
-    return dq + _mma(smem["ds"], smem["k"].at[slot], (bq, E))  # dQ += dS k
+    return _mma_into(p, dq, smem["ds"], smem["k"].at[slot])  # dQ += dS k
 
   dq = _pipelined(side.count(p.S_padded // bk), fetch, wait, body,
                   plgpu.layout_cast(jnp.zeros((bq, E), jnp.float32), _WGMMA))
@@ -642,17 +676,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
     def body(k, slot, carry):
       dk, dv = carry
       i, full = side.step(k)
-      s = _mma(smem["k"], smem["q"].at[slot].T, (bk, bq)) * p.scale  # [bk, bq]: k q^T
-      dp = _mma(smem["v"], smem["do"].at[slot].T, (bk, bq))  # dP^T = v dO^T
+      # [bk, bq] tiles, S^T = k q^T first, dV += P^T dO, then dP^T = v dO^T: S^T and dP^T
+      # are never live together
+      s = _mma(smem["k"], smem["q"].at[slot].T, (bk, bq)) * p.scale
       lse = compat.mgpu_load(smem["lse"].at[slot], _WGMMA.reduce(0))
-      delta = compat.mgpu_load(smem["delta"].at[slot], _WGMMA.reduce(0))
-      probs, ds = _by_class(full, lambda full: _tile_grads(p, side, b, n, i, j, s, dp, lse,
-                                                           delta, slot, True, full))
+      probs, weighted = weighted_probs(p, side, b, n, i, j, s, lse, slot, True, full)
       smem["probs"][...] = probs.astype(smem["probs"].dtype)
-      smem["ds"][...] = ds.astype(smem["ds"].dtype)
       plgpu.commit_smem()
-      dv = dv + _mma(smem["probs"], smem["do"].at[slot], (bk, E))  # dV += P^T dO
-      dk = dk + _mma(smem["ds"], smem["q"].at[slot], (bk, E))  # dK += dS^T q
+      dv = _mma_into(p, dv, smem["probs"], smem["do"].at[slot])  # dV += P^T dO
+      delta = compat.mgpu_load(smem["delta"].at[slot], _WGMMA.reduce(0))
+      dp = _mma(smem["v"], smem["do"].at[slot].T, (bk, bq))
+      smem["ds"][...] = (weighted * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))).astype(
+          smem["ds"].dtype)
+      plgpu.commit_smem()
+      dk = _mma_into(p, dk, smem["ds"], smem["q"].at[slot])  # dK += dS^T q
       return dk, dv
 
     return _pipelined(side.count(p.T_padded // bq), fetch, wait, body, carry)

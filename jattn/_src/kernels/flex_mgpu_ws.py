@@ -484,14 +484,6 @@ def _exp2(x, fma_columns: int):
 # ---------------------------------------------------------------- dk, dv
 
 
-def _probs_t(p: Plan, side, b, n, i, j, s, lse, slot, full):
-  """P^T [keys, queries] float32 from the logits S^T (score_mod applied), masked entries
-  0 (`flex_mgpu_kernels._tile_grads`' first half)."""
-  s, keep = ref.masked(p, side, b, n, i, j, s, slot, transposed=True, full=full)
-  probs = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, [1]))
-  return probs if keep is None else jnp.where(keep, probs, 0.0)
-
-
 def _dkv(p: Plan, L: Letters, tm, where, arrays, q, k, v, do, lse, delta):
   """(dk, dv) in k's and v's letters and shapes (k's dtype) by the warp-specialised
   kernel: a program per 128 keys of kv head h (two consumers of 64), the producer
@@ -633,14 +625,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
         lse = compat.mgpu_load(smem["lse"].at[slot], _WGMMA.reduce(0))
         delta = compat.mgpu_load(smem["delta"].at[slot], _WGMMA.reduce(0))
         # Registers: P^T, then dV += P^T dO, then dP^T, then dS^T, so that S^T and dP^T
-        # are never live together. score_mod runs outside the FULL / PARTIAL branch (the
-        # same in both); it acts entry by entry, so its VJP is a product by its derivative
-        # g and dS = g P (dP - delta) = d_score(P) (dP - delta): g P is formed before dP
-        # and score_mod's residual dies with P's float32 copy
-        s, d_score = ref.scored(view, side, b, n, i, tile, s, transposed=True)
-        probs = ref._by_class(full, lambda full: _probs_t(view, side, b, n, i, tile, s, lse,
-                                                          slot, full))
-        weighted = d_score(probs) * p.scale
+        # are never live together (`flex_mgpu_kernels.weighted_probs`)
+        probs, weighted = ref.weighted_probs(view, side, b, n, i, tile, s, lse, slot, True,
+                                             full)
         dv = _mma_from_registers(p, dv, probs.astype(k_s.dtype), smem["do"].at[slot], smem,
                                  (wg, 0))  # dV += P^T dO
         dp = ref._mma(v_s, smem["do"].at[slot].T, (_BQ, bq))
