@@ -54,15 +54,17 @@ def test_gpu_static_reports_every_kernel_in_smoke_mode(tmp_path):
   assert "jattn_flex_mgpu_dkv" in done.stdout  # the table
 
 
-def test_flex_gpu_and_flex_mgpu_kernels_do_not_spill_at_head_dim_128(tmp_path):
+def test_flex_gpu_and_flex_mgpu_kernels_neither_spill_nor_serialize_wgmma_at_h_128(tmp_path):
   """flex_gpu (the programmable CUDA kernel where flex_mgpu_ws is not taken) and flex_mgpu
   (whose dq and dk/dv kernels are flex_mgpu_ws's default backward) at the card's benchmark
   shape, as the compile tier's jax (0.12.0.1) compiles them: no kernel spills registers.
   flex_gpu's soft-cap dk/dv kernel spilled 112 bytes a thread (15 spill stores and 19 loads
-  in its loop) until dK's update came before dV's; flex_mgpu's dk/dv kernel spilled 68
-  (causal) to 280 bytes (soft-cap) until its products accumulated into the carried dK and
-  dV and dP^T came after P^T's product (docs/gpu_kernel.md; jax 0.11.2 still spills 68
-  bytes in flex_gpu's soft-cap dk/dv, 16 in flex_mgpu's)."""
+  in its loop) until dK's update came before dV's (since then dP comes after dV's update);
+  flex_mgpu's dk/dv kernel spilled 68 (causal) to 280 bytes (soft-cap) until its products
+  accumulated into the carried dK and dV and dP^T came after P^T's product
+  (docs/gpu_kernel.md; jax 0.11.2, the card's, still spills 16 bytes in flex_mgpu's
+  soft-cap dk/dv, none in flex_gpu's). Nor does ptxas note a serialized `wgmma` (C7511 in
+  flex_gpu's dk/dv, C7514 in its dq, until those kernels formed g P before dP)."""
   out = tmp_path / "static.json"
   done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_static.py"),
                          "--implementations", "flex_gpu", "flex_mgpu", "--cases", "causal",
@@ -76,3 +78,6 @@ def test_flex_gpu_and_flex_mgpu_kernels_do_not_spill_at_head_dim_128(tmp_path):
     for name, k in result["kernels"].items():
       assert k["spill_stores_bytes"] == 0 and k["budgets"]["no_spills"], (result["case"], name,
                                                                           k["spill_stores_bytes"])
+      # C7511 / C7514: ptxas serialized the kernel's wgmmas (flex_gpu's dq and dk/dv until
+      # dP's product came after P's)
+      assert not k["ptxas_notes"], (result["case"], name, k["ptxas_notes"])

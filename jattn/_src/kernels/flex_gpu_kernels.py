@@ -482,6 +482,19 @@ def _tile_grads(p, r, b, n, i, j, q, k, v, do, lse, delta, full, d_tables=None):
   return probs, ds * p.scale, d_vec, f_vec, d_tables, rows
 
 
+def _weighted_probs(p, r, b, n, i, j, q, k, lse, full):
+  """-> (probs, scale * g probs) [bq, bk] float32, g the derivative of score_mod: dS =
+  g P (dP - delta) once dP is known (score_mod acts entry by entry, so its VJP in s is a
+  product by g). Without the gradients of score_mod's captured arrays (`_tile_grads`).
+  Formed before dP, it keeps S and dP from being live together: with both, ptxas spilled
+  (jax 0.11.2) and serialized the kernels' `wgmma`s (C7511, C7514: docs/gpu_kernel.md)."""
+  s, keep, d_score = _logits(p, r, b, n, i, j, q, k, full=full, with_vjp=True)
+  probs = jnp.exp(s - lse[:, None])
+  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
+    probs = jnp.where(keep, probs, 0.0)
+  return probs, d_score(probs)[0] * p.scale
+
+
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, tm: _Mods):
   """dq of one query tile; with score_mod's float reads, also their gradients summed over
   the tile's kv tiles and their flat indices (one [Rp] vector each per program); with
@@ -494,15 +507,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
   def body(step, carry):
-    dq, d_reads, _, *d_tables = carry
+    dq, *reads = carry
     j = r.kv_tile(b, n, i, step)
     k = k_ref[pl.ds(j * bk, bk), :]
     v = v_ref[pl.ds(j * bk, bk), :]
-    _, ds, d_tile, flats, *tables = _by_class(r, b, n, i, j, lambda full: _tile_grads(
-        p, r, b, n, i, j, q, k, v, do, lse, delta, full, *d_tables[:1]))
+    if p.score_reads or p.table_reads:  # score_mod's captured arrays want gradients
+      d_reads, _, *d_tables = reads
+      _, ds, d_tile, flats, *tables = _by_class(r, b, n, i, j, lambda full: _tile_grads(
+          p, r, b, n, i, j, q, k, v, do, lse, delta, full, *d_tables[:1]))
+      reads = (d_reads + d_tile, flats, *tables)
+    else:  # g P before dP, as in the dk/dv kernel: S and dP are never live together
+      _, weighted = _by_class(r, b, n, i, j, lambda full: _weighted_probs(
+          p, r, b, n, i, j, q, k, lse, full))
+      ds = weighted * (_dot(do, v, ((1,), (1,)), v.dtype) - delta[:, None])  # dP = dO v^T
     # dQ += dS k
-    return (dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)), k.dtype), d_reads + d_tile, flats,
-            *tables)
+    return (dq + _dot(ds.astype(k.dtype), k, ((1,), (0,)), k.dtype), *reads)
 
   init = (jnp.zeros(out_refs[0].shape, jnp.float32), jnp.zeros(out_refs[1].shape, jnp.float32),
           jnp.full(out_refs[2].shape, -1, jnp.int32))
@@ -533,12 +552,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
         q, do = q_ref[g, rows, :], do_ref[g, rows, :]
       else:
         q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-      probs, ds = _by_class(r, b, n, i, j, lambda full: _tile_grads(
-          p, r, b, n, i, j, q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], full)[:2])
-      # dK first, while dS is fresh: in the other order the soft-cap kernel spilled 112 B
-      # a thread (H = 128; test_gpu_static.py)
-      dk = dk + _dot(ds.astype(q.dtype), q, ((0,), (0,)), q.dtype)  # dK += dS^T q
+      probs, weighted = _by_class(r, b, n, i, j, lambda full: _weighted_probs(
+          p, r, b, n, i, j, q, k, lse_ref[g, rows], full))
       dv = dv + _dot(probs.astype(do.dtype), do, ((0,), (0,)), do.dtype)  # dV += P^T dO
+      dp = _dot(do, v, ((1,), (1,)), v.dtype)  # dP [bq, bk] = dO v^T
+      ds = weighted * (dp - delta_ref[g, rows][:, None])
+      dk = dk + _dot(ds.astype(q.dtype), q, ((0,), (0,)), q.dtype)  # dK += dS^T q
       return dk, dv
 
     return jax.lax.fori_loop(0, r.q_count(b, n, j), body, carry)
