@@ -452,15 +452,21 @@ def _consts_grads(p: Plan, tm: _Mods, d_reads, flats, table_parts) -> tuple:
   return tuple(grads)
 
 
+def _tile_probs(p, r, b, n, i, j, q, k, lse, full):
+  """-> (probs [bq, bk] float32, masked entries 0; d_score, `_logits`' VJP)."""
+  s, keep, d_score = _logits(p, r, b, n, i, j, q, k, full=full, with_vjp=True)
+  probs = jnp.exp(s - lse[:, None])
+  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
+    probs = jnp.where(keep, probs, 0.0)
+  return probs, d_score
+
+
 def _tile_grads(p, r, b, n, i, j, q, k, v, do, lse, delta, full, d_tables=None):
   """-> (probs [bq, bk] float32, d (q k^T) [bq, bk] float32, d reads [Rp], their flat
   indices [Rp] int32 (-1 past the reads)); given d_tables float32 [TRp, Wp] (row r:
   table read r's gradient so far), also (d_tables with this tile's added, the table
   row of each table read [TRp'] int32)."""
-  s, keep, d_score = _logits(p, r, b, n, i, j, q, k, full=full, with_vjp=True)
-  probs = jnp.exp(s - lse[:, None])
-  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
-    probs = jnp.where(keep, probs, 0.0)
+  probs, d_score = _tile_probs(p, r, b, n, i, j, q, k, lse, full)
   dp = _dot(do, v, ((1,), (1,)), v.dtype)  # dP [bq, bk] = dO v^T
   ds, d_reads, flats, d_tiles, at = d_score(probs * (dp - delta[:, None]))
   lane = jnp.arange(p.reads_padded, dtype=jnp.int32)
@@ -488,10 +494,7 @@ def _weighted_probs(p, r, b, n, i, j, q, k, lse, full):
   product by g). Without the gradients of score_mod's captured arrays (`_tile_grads`).
   Formed before dP, it keeps S and dP from being live together: with both, ptxas spilled
   (jax 0.11.2) and serialized the kernels' `wgmma`s (C7511, C7514: docs/gpu_kernel.md)."""
-  s, keep, d_score = _logits(p, r, b, n, i, j, q, k, full=full, with_vjp=True)
-  probs = jnp.exp(s - lse[:, None])
-  if keep is not None:  # a row with no visible key has lse = LARGE_NEGATIVE too
-    probs = jnp.where(keep, probs, 0.0)
+  probs, d_score = _tile_probs(p, r, b, n, i, j, q, k, lse, full)
   return probs, d_score(probs)[0] * p.scale
 
 

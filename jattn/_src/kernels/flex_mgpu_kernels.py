@@ -324,7 +324,8 @@ def _mma(a, b, shape):
 
 
 def _mma_into(p: Plan, acc, a, b):
-  """acc + a @ b on the tensor cores (a, b: SMEM refs; acc float32 in registers). Compiled,
+  """acc + a @ b on the tensor cores (b an SMEM ref; a one too, or compiled a 16-bit array
+  in registers: flex_mgpu_ws._mma_from_registers; acc float32 in registers). Compiled,
   the `wgmma` accumulates into acc itself (`pl.run_state`): no second [rows, E] float32
   tile live beside it, which made the dk/dv kernel spill (benchmarks/gpu_static.py). The
   GPU interpreter runs no carried accumulator: there a fresh one, added in registers."""

@@ -93,15 +93,14 @@ def _mma_from_registers(p: Plan, acc, a, b, smem, spill_at):
   """acc + a @ b on the tensor cores: a [64, K] 16-bit in registers, b an SMEM ref, acc
   float32 [64, N] carried in registers (`pl.run_state`). The GPU interpreter runs neither
   a register operand nor a carried accumulator: there a goes through SMEM
-  (smem["spill"].at[spill_at]) into a fresh accumulator, added in registers."""
-  if not p.interpret:
-    def step(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
-    return pl.run_state(step)(plgpu.ACC.init(acc))
-  spill = smem["spill"].at[spill_at]
-  spill[...] = a
-  plgpu.commit_smem()
-  return acc + ref._mma(spill, b, acc.shape)
+  (smem["spill"].at[spill_at]) into a fresh accumulator, added in registers
+  (`flex_mgpu_kernels._mma_into`)."""
+  if p.interpret:
+    spill = smem["spill"].at[spill_at]
+    spill[...] = a
+    plgpu.commit_smem()
+    a = spill
+  return ref._mma_into(p, acc, a, b)
 
 
 # ---------------------------------------------------------------- the call
