@@ -2,11 +2,15 @@
 this CPU): nobody here can run them for real, so this is what keeps them from rotting
 until a TPU or GPU owner does. Slow tier: each script compiles a dozen programs."""
 
+import argparse
+import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import sys
+import time
+from unittest import mock
 
 import jax
 import pytest
@@ -163,6 +167,11 @@ def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
   assert not result["errors"] and not result["skipped"], result["errors"]
   assert {r["case"] for r in result["values"]} >= {"causal_gqa_8_2_grad",
                                                    "documents_4_soft_cap_gqa_8_2_grad"}
+  # the warp-specialised backward's check (the stand-in's here) ran in a child process,
+  # its rows joined this run's
+  isolated = [r for r in result["values"] if r["impl"] == "flex_mgpu:bwd"]
+  assert len(isolated) == 2 and not result["hung"], result["values"]
+  assert (tmp_path / "fast_backward" / "mgpu_fast_check.json").exists()
   assert [r["impl"] for r in result["values"] if r["impl"].startswith("default:")] == [
       "default:flex_gpu"]  # no GPU seen here: the portable CUDA choice
   assert {"flex_mgpu", "flex_mgpu:tiles"} <= {r["contender"] for r in result["speed"]}
@@ -176,6 +185,56 @@ def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
   } | {(c, "fwd+bwd") for c in ("causal", "soft_cap", "documents")}
 
 
+def _fast_check_module():
+  spec = importlib.util.spec_from_file_location("mgpu_fast_check",
+                                                ROOT / "tools" / "mgpu_fast_check.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_fast_path_check_ends_a_hung_case_and_keeps_what_it_has(tmp_path):
+  """tools/mgpu_fast_check.py's watchdog (tools/watchdog.py): a case that never returns
+  (here the first, made to hang by --rehearse-hang) ends the run after --hang-after
+  seconds with exit status 3 and the JSON written, naming the case, instead of holding a
+  lent card until the device tool's limit."""
+  done = subprocess.run([sys.executable, str(ROOT / "tools" / "mgpu_fast_check.py"), "--smoke",
+                         "--hang-after", "2", "--rehearse-hang", "values causal",
+                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 3, (done.stdout + done.stderr)[-2000:]
+  assert "HUNG: 'values causal flex_mgpu' has run" in done.stdout
+  result = json.loads((tmp_path / "mgpu_fast_check.json").read_text())
+  assert [h["stage"] for h in result["hung"]] == ["values causal flex_mgpu"]
+  assert result["summary"]["hung"] == 1 and 2 <= result["hung"][0]["seconds"] < 30
+
+
+def test_the_fast_backward_check_runs_apart_so_a_hang_there_ends_only_it(tmp_path):
+  """The warp-specialised backward kernels, never run on a card, are checked in a child
+  process: when it hangs (on purpose here), its watchdog ends it, its JSON's rows join
+  the run's, and the run goes on without the ":bwd" timings."""
+  module = _fast_check_module()
+  args = argparse.Namespace(smoke=True, compile_only=None, out=str(tmp_path), hang_after=2.0,
+                            rehearse_hang="grad causal_gqa_8_2 flex_mgpu:bwd")
+  args.watch = module.Watchdog(None, None)
+  out = dict(values=[], speed=[], errors=[], skipped=[], compiled=[], hung=[])
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  with mock.patch.dict(os.environ, env):
+    came_back = module.check_fast_backward(args, out, time.perf_counter() + 300, ["flex_mgpu"])
+  assert came_back is False
+  assert out["hung"] == [dict(stage="grad causal_gqa_8_2 flex_mgpu:bwd",
+                              seconds=out["hung"][0]["seconds"], isolated=True)], out
+  assert not out["errors"] and not out["values"], out
+  # the run's own JSON was written before the child started (what a kill would leave)
+  assert json.loads((tmp_path / "mgpu_fast_check.json").read_text())["hung"] == []
+  # the timings leave out the warp-specialised backward then, and only then
+  contenders = lambda ok: module._jax_contenders("causal", 1, 128, 2, [module.FAST, "flex_mgpu"],
+                                                 True, backward=True, fast_backward=ok)
+  assert {n for n in contenders(True) if ":bwd" in n} == {
+      "flex_mgpu_ws:bwd", "flex_mgpu_ws:bwd:rows32", "flex_mgpu_ws:bwd:mask_mod"}
+  assert not {n for n in contenders(False) if ":bwd" in n}
+
+
 @pytest.mark.parametrize("script,argv,message", [
     ("benchmarks/gpu_static.py", ["--ws-exp2-fma", "24"],
      "--ws-exp2-fma: columns must be a multiple of 16 from 0 to 128, got 24"),
@@ -187,6 +246,14 @@ def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
      "argument --compile-only: invalid choice: 'h300'"),
     ("tools/mgpu_fast_check.py", ["--smoke", "--compile-only", "h100"],
      "--smoke and --compile-only exclude each other"),
+    ("tools/mgpu_fast_check.py", ["--hang-after", "0"],
+     "--hang-after: seconds must be positive, got 0"),
+    ("tools/mgpu_fast_check.py", ["--hang-after", "soon"],
+     "argument --hang-after: invalid float value: 'soon'"),
+    ("tools/mgpu_fast_check.py", ["--rehearse-hang", "forward"],
+     "--rehearse-hang: a stage label starts with values, grad or speed, got 'forward'"),
+    ("tools/mgpu_fast_check.py", ["--rehearse-hang", "grad", "--compile-only", "h100"],
+     "--rehearse-hang and --compile-only exclude each other"),
 ])
 def test_a_bad_option_is_refused_before_any_work(script, argv, message):
   """The options this round added: a bad value is the parser's error (exit 2), naming the

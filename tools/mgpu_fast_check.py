@@ -1,8 +1,8 @@
 """The check of "flex_mgpu_ws" (the warp-specialised Mosaic GPU forward) on a lent Hopper
-GPU, in one process and under 5 minutes: its values against float64, then its speed.
+GPU, under 5 minutes: its values against float64, then its speed.
 
     PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false python3 tools/mgpu_fast_check.py
-        [--out DIR] [--deadline 240] [--lengths 4096 16384] [--rounds 5]
+        [--out DIR] [--deadline 240] [--hang-after 120] [--lengths 4096 16384] [--rounds 5]
     python tools/mgpu_fast_check.py --smoke --out /tmp/rehearsal   # on a CPU: the script
         # runs end to end with the interpretable "flex_mgpu" standing in (tiny shapes)
     JAX_PLATFORMS=cpu python tools/mgpu_fast_check.py --compile-only h100 --out DIR
@@ -43,7 +43,17 @@ Order: causal's values, the gradients, causal and soft-cap forward + backward at
 4096, the other values, the other timings (documents' forward + backward first). Each
 case's failure is caught, printed and recorded; the next case runs. New work stops
 starting after --deadline seconds.
-JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT). At the end, issue 45's goals and the
+Hangs: a case still running after --hang-after seconds (120 on the card) has hung (a
+kernel whose warpgroups wait on each other forever): tools/watchdog.py writes the JSON
+so far, naming it under "hung", and ends the run with exit status 3, rather than let it
+hold the card until the device tool's limit. The warp-specialised dq and dk/dv kernels,
+which no card has run, are checked in a child process (this script,
+--fast-backward-only; its JSON in DIR/fast_backward): a hang or a crash of the card's
+context there ends only the child, its rows join the run's, and the timings go on
+without the ":bwd" contenders. --rehearse-hang STAGE makes a case hang on purpose (the
+CPU rehearsal of both).
+JSON: DIR/mgpu_fast_check.json (DIR: --out, else $OUT), rewritten before each case, so a
+run killed from outside leaves what it had. At the end, issue 45's goals and the
 fastest jattn path of each timed call, from the run's timings (benchmarks/gpu_goals.py):
 printed, and in the JSON under "goals".
 """
@@ -56,6 +66,7 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -78,6 +89,7 @@ from benchmarks import gpu_goals  # noqa: E402
 from benchmarks import gpu_kernels as bench  # noqa: E402
 from tests.reference import reference_mods  # noqa: E402
 from tests.reference_grads import reference_mods_vjp  # noqa: E402
+from tools.watchdog import EXIT_HUNG, Watchdog  # noqa: E402
 
 FAST = "flex_mgpu_ws"
 SOFT_CAP = bench.SOFT_CAP  # 30, as the benchmark's soft_cap case
@@ -167,7 +179,7 @@ def check_values(args, out, deadline, impls, names):
         continue
       start = time.perf_counter()
       try:
-        with _context(args), variant():
+        with _stage(args, out, f"values {name} {label}"), _context(args), variant():
           fn = jax.jit(lambda q, k, v: jattn.dot_product_attention(
               q, k, v, implementation=impl, return_residual=True, **kw))
           if args.compile_only:
@@ -213,7 +225,7 @@ def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcon
       mask_mod=mods.document(jnp.asarray(ids[None])), score_mod=mods.soft_cap(SOFT_CAP))
   start = time.perf_counter()
   try:
-    with _context(args), context():
+    with _stage(args, out, f"grad {case} {label}"), _context(args), context():
       loss = lambda q, k, v: jnp.sum(jattn.dot_product_attention(
           q, k, v, implementation=impl, **kw).astype(jnp.float32) * g.astype(jnp.float32))
       report = f"{label} {case}" if label.endswith(":bwd") and not args.smoke else None
@@ -322,7 +334,9 @@ def speed_jobs(lengths):
   return jobs
 
 
-def measure_speed(args, out, deadline, impls, jobs):
+def measure_speed(args, out, deadline, impls, jobs, fast_backward=True):
+  """Times each job's contenders; fast_backward=False leaves out the warp-specialised
+  backward's (":bwd"), whose isolated check did not come back (check_fast_backward)."""
   if args.compile_only:  # torch compiles on its own card, at run time
     torch_device, note = None, "not run (--compile-only)"
   else:
@@ -342,23 +356,27 @@ def measure_speed(args, out, deadline, impls, jobs):
     if T not in inputs:
       inputs = {T: bench._inputs(B, T, N, H, "bfloat16", torch_device)}  # one length held
     jx, th = inputs[T]
-    contenders = _jax_contenders(case, B, T, N, impls, args.smoke, backward)
+    contenders = _jax_contenders(case, B, T, N, impls, args.smoke, backward, fast_backward)
     timers = {}
     for name, fn in contenders.items():
       if time.perf_counter() > deadline:
         break
       given = tuple(x.astype(jnp.float16) for x in jx) if name.endswith(":f16") else jx
-      timers[name] = _timer(out, T, case, name, lambda: _make(
-          args, fn, given, backward, out, f"speed T={T} {case} {pass_} {name}"))
+      with _stage(args, out, f"speed T={T} {case} {pass_} {name}: compile"):
+        timers[name] = _timer(out, T, case, name, lambda: _make(
+            args, fn, given, backward, out, f"speed T={T} {case} {pass_} {name}"))
     if th is not None and time.perf_counter() < deadline:
       for name, fn in _torch_contenders(case, B, T, N, torch_device, out, backward).items():
         if time.perf_counter() > deadline:
           break
-        timers[name] = _timer(out, T, case, name, lambda: bench.torch_timer(fn, th, backward))
+        with _stage(args, out, f"speed T={T} {case} {pass_} {name}: compile"):
+          timers[name] = _timer(out, T, case, name,
+                                lambda: bench.torch_timer(fn, th, backward))
     timers = {n: t for n, t in timers.items() if t is not None}
     if args.smoke:
       timers = {n: (lambda t: lambda: _in_context(args, t))(t) for n, t in timers.items()}
-    times = bench.interleaved(timers, args.rounds)
+    with _stage(args, out, f"speed T={T} {case} {pass_}: timing"):
+      times = bench.interleaved(timers, args.rounds)
     flops = 4 * B * N * H * T * T * bench.visible_fraction(case, T) * (2.5 if backward else 1)
     rows = {}
     for name, ts in times.items():
@@ -373,7 +391,7 @@ def measure_speed(args, out, deadline, impls, jobs):
           f"{row['tflops']:6.1f} TFLOP/s{ratio}")
 
 
-def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
+def _jax_contenders(case, B, T, N, impls, smoke, backward=False, fast_backward=True):
   """name -> fn(q, k, v) [B, T, N, H]: the fast path's variants ("flex_mgpu_ws:kv64" its
   64-key tiles; ":bwd" its warp-specialised dq and dk/dv kernels, ":bwd:mask_mod" those
   with causal as a mask_mod; ":fma16" / ":fma32" part
@@ -390,7 +408,7 @@ def _jax_contenders(case, B, T, N, impls, smoke, backward=False):
         with kernel_inputs.through_tiles():
           return attend(impl)(q, k, v)
       out[f"{impl}:tiles"] = tiles
-  if FAST in impls and backward:
+  if FAST in impls and backward and fast_backward:
     def fast_backward(q, k, v, rows=None, extra=None):
       with flex_mgpu.ws_dq(), flex_mgpu.ws_dkv(), (
           flex_mgpu.ws_dkv_rows(rows) if rows else contextlib.nullcontext()):
@@ -526,6 +544,83 @@ def _error(e: BaseException) -> str:
   return tail[-3000:]
 
 
+def _stage(args, out, label):
+  """One case's jax calls under the watchdog (tools/watchdog.py: a call that never returns
+  ends the run, "hung" in the JSON); the results before it are written first, so that a
+  run killed from outside (the device tool's time limit) still leaves them."""
+  _save(args, out)
+  return args.watch.stage(label)
+
+
+def _save(args, out):
+  """out, with its summary, as DIR/mgpu_fast_check.json (written whole, then renamed)."""
+  bad = [r for r in out["values"] if not r.get("passed")]
+  failed = [r for r in out["compiled"] if not r["compiled"]]
+  out["summary"] = dict(values_passed=len(out["values"]) - len(bad), values_failed=len(bad),
+                        speed_rows=len(out["speed"]), errors=len(out["errors"]),
+                        skipped=len(out["skipped"]), hung=len(out["hung"]),
+                        compiled=len(out["compiled"]) - len(failed),
+                        compile_failed=len(failed))
+  path = pathlib.Path(args.out) / "mgpu_fast_check.json"
+  part = path.with_name(path.name + ".part")
+  part.write_text(json.dumps(out, indent=1, default=str))
+  os.replace(part, path)
+
+
+def _fast_backward_run(impls):
+  """(impl, label) of the warp-specialised dq and dk/dv kernels' gradient check; under
+  --smoke the stand-in's own backward, which rehearses the isolation, not the kernels
+  (the interpreter runs those in tests/kernels/test_flex_mgpu.py)."""
+  return (impls[0], f"{impls[0]}:bwd")
+
+
+def check_fast_backward(args, out, deadline, impls) -> bool:
+  """The gradients of GRAD_CASES by the warp-specialised dq and dk/dv kernels, which no
+  card has run: in a child process (this script, --fast-backward-only) with its own
+  watchdog, so that a deadlock or a crash of the card's context ends that process, not
+  the run. Its rows join out; True where it came back (then the timings take the
+  ":bwd" contenders), False where it hung, crashed or was skipped."""
+  impl, label = _fast_backward_run(impls)
+  if args.compile_only:  # nothing runs, nothing hangs
+    for case in GRAD_CASES:
+      check_grad(args, out, deadline, impl, label, _fast_backward, case=case)
+    return True
+  left = deadline - time.perf_counter()
+  if left <= 0:
+    out["skipped"].extend(dict(stage="grad", impl=label, case=case) for case in GRAD_CASES)
+    return False
+  _save(args, out)
+  child = pathlib.Path(args.out) / "fast_backward"
+  argv = [sys.executable, str(pathlib.Path(__file__).resolve()), "--fast-backward-only",
+          "--out", str(child), "--deadline", f"{left:.0f}", "--hang-after", f"{args.hang_after:g}"]
+  argv += ["--smoke"] * args.smoke + ["--rehearse-hang", args.rehearse_hang] * bool(
+      args.rehearse_hang)
+  say(f"[isolated] {label}: the gradients in a child process (a hang or a crash there "
+      "ends it, not this run)")
+  start = time.perf_counter()
+  try:  # its watchdog ends a hung stage; the timeout is for a child that cannot
+    status = subprocess.run(argv, timeout=len(GRAD_CASES) * args.hang_after + 120).returncode
+  except subprocess.TimeoutExpired:
+    status = None
+  seconds = round(time.perf_counter() - start, 1)
+  path = child / "mgpu_fast_check.json"
+  got = json.loads(path.read_text()) if path.exists() else {}
+  for key in ("values", "skipped", "errors"):
+    out[key] += got.get(key, [])
+  out.setdefault("ptxas", {}).update(got.get("ptxas", {}))
+  out["hung"] += [dict(row, isolated=True) for row in got.get("hung", [])]
+  if status == 0:
+    return True
+  if status is None:
+    out["hung"].append(dict(stage=f"isolated {label}", seconds=seconds, isolated=True))
+  elif status != EXIT_HUNG:
+    out["errors"].append(dict(stage=f"isolated {label}", error=f"the child process ended "
+                              f"with status {status} (a crash?) after {seconds} s"))
+  say(f"[isolated] {label}: {'hung' if status in (None, EXIT_HUNG) else f'status {status}'}"
+      f" after {seconds} s; its contenders are left out of the timings")
+  return False
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default=os.environ.get("OUT", "mgpu_fast_check_out"))
@@ -533,6 +628,17 @@ def main(argv=None):
                       help="seconds after which no new case starts (240 on a card; 700 in a "
                            "--smoke rehearsal, where the interpreter runs every case; 3600 "
                            "with --compile-only)")
+  parser.add_argument("--hang-after", type=float, default=None, metavar="SECONDS",
+                      help="a case still running after this long has hung: the run writes "
+                           "what it has and ends, exit status 3 (120 on a card, 900 under "
+                           "--smoke; no watchdog with --compile-only)")
+  parser.add_argument("--rehearse-hang", default=None, metavar="STAGE",
+                      help="the first case whose label starts with STAGE (values, grad or "
+                           "speed, e.g. 'grad causal_gqa_8_2 flex_mgpu:bwd') hangs on "
+                           "purpose: what the run does when a kernel never returns")
+  parser.add_argument("--fast-backward-only", action="store_true",
+                      help="only the warp-specialised backward's gradient check (the child "
+                           "process the run starts for it)")
   parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--smoke", action="store_true",
@@ -546,9 +652,20 @@ def main(argv=None):
   if args.smoke and args.compile_only:
     parser.error("--smoke and --compile-only exclude each other (tiny interpreted shapes, "
                  "or the card's shapes compiled)")
+  if args.hang_after is not None and not args.hang_after > 0:
+    parser.error(f"--hang-after: seconds must be positive, got {args.hang_after:g}")
+  if args.rehearse_hang is not None:
+    if not args.rehearse_hang.startswith(("values", "grad", "speed")):
+      parser.error("--rehearse-hang: a stage label starts with values, grad or speed, got "
+                   f"{args.rehearse_hang!r}")
+    if args.compile_only:
+      parser.error("--rehearse-hang and --compile-only exclude each other (nothing runs, "
+                   "so nothing hangs: the watchdog is off)")
   start = time.perf_counter()
   if args.deadline is None:
     args.deadline = 700.0 if args.smoke else 3600.0 if args.compile_only else 240.0
+  if args.hang_after is None:
+    args.hang_after = 900.0 if args.smoke else 120.0
   deadline = start + args.deadline
   if args.compile_only:  # before jax starts a backend: the plugin finds no driver
     jax.config.update("jax_platforms", "cpu")
@@ -568,14 +685,32 @@ def main(argv=None):
             else jax.devices()[0].device_kind)
   out = dict(device=device, jax=jax.__version__, smoke=args.smoke,
              started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), argv=sys.argv, values=[],
-             speed=[], errors=[], skipped=[], compiled=[])
+             speed=[], errors=[], skipped=[], compiled=[], hung=[])
+
+  def on_hang(label, seconds):  # the watchdog's thread; the main thread is in the hung call
+    out["hung"].append(dict(stage=label, seconds=seconds))
+    out["seconds"] = round(time.perf_counter() - start, 1)
+    _save(args, out)
+
+  args.watch = Watchdog(None if args.compile_only else args.hang_after, on_hang,
+                        args.rehearse_hang)
+  if args.fast_backward_only:  # the child of check_fast_backward
+    try:
+      for case in GRAD_CASES:
+        check_grad(args, out, deadline, *_fast_backward_run(impls), _fast_backward,
+                   case=case)
+    finally:
+      out["seconds"] = round(time.perf_counter() - start, 1)
+      _save(args, out)
+    return out
   try:
     import torch
     out["torch_version"] = torch.__version__
   except ImportError:
     out["torch_version"] = None
   say(f"[mgpu_fast_check] jax {jax.__version__} on {out['device']}, torch "
-      f"{out['torch_version']}; deadline {args.deadline:.0f} s")
+      f"{out['torch_version']}; deadline {args.deadline:.0f} s"
+      + ("" if args.compile_only else f", a case hangs after {args.hang_after:g} s"))
   # --compile-only: implementation=None plans as the card's process would (a Hopper GPU
   # seen: registry.hopper_fast_path), not as this GPU-less host's
   hopper = (mock.patch.object(flex_mgpu, "gpu_capability", lambda: (9, 0)) if args.compile_only
@@ -588,20 +723,20 @@ def main(argv=None):
     if args.smoke:  # cases without per-token arrays (their shapes are the card's)
       names = ["causal", "sliding_window_100", "fully_masked_rows"]
     jobs = speed_jobs(args.lengths)
-    # first what no card has seen: the warp-specialised dq and dk/dv kernels' gradients,
-    # then their forward + backward time beside the old backward, cuDNN and FlexAttention
+    # first what no card has seen: the warp-specialised dq and dk/dv kernels' gradients
+    # (in a child process: check_fast_backward), then their forward + backward time
+    # beside the old backward, cuDNN and FlexAttention
     check_values(args, out, deadline, impls, names[:1])
     for case in GRAD_CASES:
       check_grad(args, out, deadline, impls[0], case=case)
-      if FAST in impls:
-        check_grad(args, out, deadline, FAST, f"{FAST}:bwd", _fast_backward, case=case)
+    fast_backward = check_fast_backward(args, out, deadline, impls)
     # implementation=None, which on a Hopper card takes flex_mgpu_ws (bfloat16, H = 128:
     # registry.hopper_fast_path), labelled with what jattn.explain names for "cuda"
     check_grad(args, out, deadline, None, f"default:{default_choice(args)}", case=GRAD_CASES[1])
     backward_first = [job for job in jobs if job[2]] + [job for job in jobs if not job[2]]
-    measure_speed(args, out, deadline, impls, backward_first[:2])
+    measure_speed(args, out, deadline, impls, backward_first[:2], fast_backward)
     check_values(args, out, deadline, impls, names[1:])
-    measure_speed(args, out, deadline, impls, backward_first[2:])
+    measure_speed(args, out, deadline, impls, backward_first[2:], fast_backward)
   finally:
     hopper.__exit__(None, None, None)
     out["seconds"] = round(time.perf_counter() - start, 1)
@@ -611,14 +746,7 @@ def main(argv=None):
         say(gpu_goals.report(out["speed"]))
       except Exception as e:  # noqa: BLE001  (the JSON below is written whatever happens)
         out["errors"].append(dict(stage="goals", error=_error(e)))
-    bad = [r for r in out["values"] if not r.get("passed")]
-    failed = [r for r in out["compiled"] if not r["compiled"]]
-    out["summary"] = dict(values_passed=len(out["values"]) - len(bad), values_failed=len(bad),
-                          speed_rows=len(out["speed"]), errors=len(out["errors"]),
-                          skipped=len(out["skipped"]),
-                          compiled=len(out["compiled"]) - len(failed),
-                          compile_failed=len(failed))
-    (outdir / "mgpu_fast_check.json").write_text(json.dumps(out, indent=1, default=str))
+    _save(args, out)
     say(f"[mgpu_fast_check] done in {out['seconds']} s: {out['summary']}")
   return out
 
