@@ -230,11 +230,14 @@ def check_grad(args, out, deadline, impl, label=None, context=contextlib.nullcon
           q, k, v, implementation=impl, **kw).astype(jnp.float32) * g.astype(jnp.float32))
       report = f"{label} {case}" if label.endswith(":bwd") and not args.smoke else None
       grads = jax.grad(loss, (0, 1, 2))
+      # compiled inside the report (ptxas runs then), run outside it: a run that hangs
+      # still leaves the report in the JSON
       with _ptxas_report(out, report):
         if args.compile_only:
           _compile_only(args, out, f"grad {case} {label}", grads, q, k, v)
           return
-        got = jax.block_until_ready(jax.jit(grads)(q, k, v))
+        compiled = jax.jit(grads).lower(q, k, v).compile()
+      got = jax.block_until_ready(compiled(q, k, v))
     if case == "causal_gqa_8_2":
       want = _grads(*(_f64(x) for x in (q, k, v, g)))
     else:
