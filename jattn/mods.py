@@ -9,7 +9,10 @@ Each ready-made mod is a small frozen object that carries its parameters
 (so other code can recognise it, e.g. to lower it onto a kernel with the same
 mask built in) and is called like the plain function it stands for. Array
 parameters may be NumPy or JAX arrays, traced or not; a score mod's arrays
-receive gradients.
+receive gradients. They must fit the call, or it raises a ValueError naming
+the argument and the shapes before any work: per batch row ([B] or [B, T]; a
+leading 1 is one row for all), per query head ([N]), and segment ids at least
+T and S long.
 """
 
 # The machinery lives in jattn._src.masks.mods, below the kernels that recognise

@@ -22,6 +22,7 @@ from jattn._src.masks.modifiers import Modifiers
 from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.core.dropout import Dropout
 from jattn._src.masks.block_mask import check_block_mask
+from jattn._src.masks.mods import check_fit
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
 
@@ -122,6 +123,7 @@ def make_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   window = local_window(local_window_size)
   if scale is None:
     scale = default_scale(dims.H)
+  checks.scale(scale)
   check_dropout(dropout_rate, dropout_rng)
   for name, flag in (("is_causal", is_causal), ("return_weights", return_weights),
                      ("return_residual", return_residual),
@@ -133,6 +135,8 @@ def make_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), "
                     f"got {block_sizes!r}")
   mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N, defer_ready_made=True)
+  for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+    check_fit(mod, name, B=B, N=N, T=T, S=S)
   if mods is not None and mods.block_mask is not None:
     block_sizes = check_block_mask(mods.block_mask, B=B, N=N, T=T, S=S,
                                    block_sizes=block_sizes, has_batch=lay.has_batch)
@@ -174,6 +178,7 @@ def check_arrays(query, key, value, lay: Layout) -> Dims:
   if lay.has_batch:
     checks.equal_dim("batch B", "query", query.shape, ax("B"), "key", key.shape, ax("B"))
     checks.equal_dim("batch B", "key", key.shape, ax("B"), "value", value.shape, ax("B"))
+  checks.some_depth("query", query.shape, "key", key.shape, query.shape[ax("H")])
   N, K = query.shape[ax("N")], key.shape[ax("K")]
   if K == 0 or N % K != 0:
     raise ValueError(f"num heads N of query must be a multiple of kv heads K of key "

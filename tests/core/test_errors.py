@@ -121,6 +121,29 @@ def test_dpa_dropout_without_rng():
     dpa(q, k, v, dropout_rate=0.5)
 
 
+def test_dpa_no_depth():
+  q, k, v = _arrays((2, 8, 4, 0), (2, 8, 4, 0), (2, 8, 4, 16))
+  with raises(ValueError, "depth H", s((2, 8, 4, 0)), "H = 0"):
+    dpa(q, k, v)
+
+
+@pytest.mark.parametrize("implementation", ["ring", "context_parallel"])
+@pytest.mark.parametrize("letter,q_shape,k_shape", [("T", (1, 0, 2, 8), (1, 4, 2, 8)),
+                                                    ("S", (1, 4, 2, 8), (1, 0, 2, 8))])
+def test_dpa_sequence_parallel_needs_a_sequence(implementation, letter, q_shape, k_shape):
+  q, k, v = _arrays(q_shape, k_shape)
+  with jax.set_mesh(jax.make_mesh((1,), ("seq",))):
+    with raises(ValueError, f"length {letter}=0", "'seq'"):
+      dpa(q, k, v, implementation=implementation)
+
+
+@pytest.mark.parametrize("scale", ["x", True, jnp.ones(2), jnp.int32(2)])
+def test_dpa_scale_not_a_float_scalar(scale):
+  q, k, v = _arrays()
+  with raises(TypeError, "scale", type(scale).__name__):
+    dpa(q, k, v, scale=scale)
+
+
 def test_dpa_unknown_implementation():
   q, k, v = _arrays()
   with raises(ValueError, "implementation", "foo", "xla", "vmap"):
@@ -230,6 +253,18 @@ def test_attend_seq_length_mismatch():
   q, k, v = _arrays((8,), (6, 8), (5, 3))
   with raises(ValueError, r"\bv\b|value", s((6, 8)), s((5, 3))):
     jattn.attend(q, k, v)
+
+
+def test_attend_no_depth():
+  with raises(ValueError, "depth H", "(0,)", "(4, 0)"):
+    jattn.attend(jnp.ones(0), jnp.ones((4, 0)), jnp.ones((4, 2)))
+
+
+def test_attention_and_attend_scale_not_a_float_scalar():
+  with raises(TypeError, "scale", "str"):
+    jattn.attention(jnp.ones((3, 4)), jnp.ones((5, 4)), jnp.ones((5, 2)), scale="x")
+  with raises(TypeError, "scale", "ArrayImpl"):
+    jattn.attend(jnp.ones(4), jnp.ones((5, 4)), jnp.ones((5, 2)), scale=jnp.ones(3))
 
 
 def test_attend_mask_shape():

@@ -131,8 +131,9 @@ SPLASH_REFUSES = {
                       "more than one mods.document"),
     "document_and_segments": (dict(mask_mod=mods.document(IDS), q_segment_ids=IDS,
                                    kv_segment_ids=IDS), "both segment ids and a mods.document"),
-    "document_shape": (dict(mask_mod=mods.document(IDS[:, :128], IDS)),
-                       "ids must be [B, T] and [B, S] = ((2, 256), (2, 256)), got ((2, 128), (2, 256))"),
+    # ids of one row for every batch row: the call takes them, the kernel wants [B, T]
+    "document_shape": (dict(mask_mod=mods.document(IDS[:1], IDS)),
+                       "ids must be [B, T] and [B, S] = ((2, 256), (2, 256)), got ((1, 256), (2, 256))"),
     "alibi": (dict(score_mod=mods.alibi(np.ones(N, np.float32))), "score_mod Alibi is not"),
     "array_cap": (dict(score_mod=mods.soft_cap(jnp.float32(2.0))), "Python-number cap"),
     "hand_written_score": (dict(score_mod=lambda x, b, n, t, s: x), "is not mods.soft_cap"),
@@ -248,7 +249,7 @@ PALLAS_REFUSES = {
     "and_masks": (dict(mask_mod=mods.and_masks(mods.causal())), "got mask_mod And"),
     "document_and_segments": (dict(mask_mod=mods.document(IDS), q_segment_ids=IDS,
                                    kv_segment_ids=IDS), "both segment ids and a mods.document"),
-    "document_shape": (dict(mask_mod=mods.document(IDS[:, :128], IDS)), "must be [B, T] and [B, S]"),
+    "document_shape": (dict(mask_mod=mods.document(IDS[:1], IDS)), "must be [B, T] and [B, S]"),
     # T and S in one block each: only the masks stand in the way
     "causal_T_S": (dict(T=128, S=64, is_causal=True), "need T == S, got T=128, S=64"),
     "mod_causal_T_S": (dict(T=64, S=128, mask_mod=mods.causal()), "need T == S"),

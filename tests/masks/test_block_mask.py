@@ -194,3 +194,21 @@ def test_create_block_mask_checks_its_arguments():
     jattn.create_block_mask(mods.causal(), 0, None, T, S)
   with raises(ValueError, "N must be a positive int or None", "2.0"):
     jattn.create_block_mask(mods.causal(), None, 2.0, T, S)
+  with raises(ValueError, "mask_mod", "q_segment_ids", f"T = {T}"):
+    jattn.create_block_mask(mods.document(IDS_Q[:, :4], IDS_KV), B, None, T, S)
+
+
+def test_b_or_n_none_is_refused_for_a_mask_that_reads_them():
+  """With B or N None the classes are those of b = 0 or n = 0: for a mask that reads
+  that index they would skip blocks another row or head sees."""
+  per_head = lambda b, n, t, s: (s <= t) & (s >= t - 2 * n - 1)
+  with raises(ValueError, "N is None", "reads its index n"):
+    jattn.create_block_mask(per_head, B, None, T, S, block_sizes=BS)
+  with raises(ValueError, "B is None", "reads its index b"):
+    jattn.create_block_mask(lambda b, n, t, s: t >= s + b, None, N, T, S, block_sizes=BS)
+  with raises(ValueError, "B is None", "reads its index b"):
+    jattn.create_block_mask(mods.document(IDS_Q, IDS_KV), None, None, T, S, block_sizes=BS)
+  # ready-made masks never read n, and arrays of one row do not depend on b
+  one_row = mods.and_masks(mods.document(IDS_Q[:1], IDS_KV[:1]), mods.prefix_lm(np.array([3])))
+  bm = jattn.create_block_mask(one_row, None, None, T, S, block_sizes=BS)
+  assert bm.classes.shape[:2] == (1, 1)

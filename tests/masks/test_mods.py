@@ -219,6 +219,35 @@ def test_sinks_must_be_one_per_head():
     attention("xla", sinks=np.zeros(N, np.int32))
 
 
+# A ready-made mod's array that does not fit the call: gathers past its end clamp, so it
+# would silently lend rows, heads or positions another one's entry.
+@pytest.mark.parametrize("argument,mod,needles", [
+    ("mask_mod", lambda: mods.document(IDS_Q[:, :T - 2], IDS_KV), ("q_segment_ids", f"T = {T}", f"({B}, {T - 2})")),
+    ("mask_mod", lambda: mods.document(IDS_Q, IDS_KV[:, :S - 1]), ("kv_segment_ids", f"S = {S}", f"({B}, {S - 1})")),
+    ("mask_mod", lambda: mods.document(np.tile(IDS_Q, (2, 1))), ("q_segment_ids", f"B = {B}", f"({2 * B}, {T})")),
+    ("mask_mod", lambda: mods.prefix_lm(np.array([1, 2, 3])), ("prefix_lengths", f"B = {B}", "(3,)")),
+    ("mask_mod", lambda: mods.and_masks(mods.causal(), mods.or_masks(
+        mods.chunked(4), mods.prefix_lm(np.zeros(B + 1, np.int32)))), ("prefix_lengths", f"({B + 1},)")),
+    ("score_mod", lambda: mods.alibi(SLOPES[:3]), ("slopes", f"N = {N}", "(3,)")),
+    ("score_mod", lambda: mods.relative_bias(TABLE[:3]), ("table", f"N = {N}", f"(3, {TABLE.shape[1]})")),
+])
+def test_a_ready_made_mods_arrays_must_fit_the_call(argument, mod, needles):
+  with raises(ValueError, argument, *needles):
+    attention("xla", **{argument: mod()})
+
+
+def test_ready_made_arrays_broadcast_over_b_and_run_past_the_sequence():
+  """What the fit allows gives the reference's answer: ids and prefix lengths with a
+  leading 1 (one row for every batch row), and ids longer than T and S."""
+  ids_q, ids_kv = IDS_Q[:1], np.concatenate([IDS_KV, np.full((B, 3), 7, np.int32)], 1)
+  mask_mod = mods.and_masks(mods.document(ids_q, ids_kv), mods.prefix_lm(PREFIX[:1] + 2))
+  allowed = ((ids_q[:, None, :, None] == ids_kv[:, None, None, :S])
+             & ((s_ <= t_) | (s_ < PREFIX[0] + 2)))
+  want, _ = reference(Q, KEY, V, allowed=np.broadcast_to(allowed, (B, N, T, S)))
+  for impl in ("xla", "blockwise"):
+    np.testing.assert_allclose(attention(impl, mask_mod=mask_mod), want, **TOL, err_msg=impl)
+
+
 def test_cudnn_refuses_naming_the_argument():
   with raises(ValueError, "cudnn.*score_mod, sinks"):
     attention("cudnn", score_mod=mods.soft_cap(1.0), sinks=SINKS)

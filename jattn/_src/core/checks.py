@@ -63,9 +63,28 @@ def single_head_arrays(q, k, v, *, q_rank: int, layout: str):
   rank("v", v, 2, legends[2])
   q_depth = depth if q_rank == 2 else 0
   equal_dim("depth H", "q", q.shape, q_depth, "k", k.shape, depth)
+  some_depth("q", q.shape, "k", k.shape, q.shape[q_depth])
   equal_dim("length S", "k", k.shape, tokens, "v", v.shape, tokens)
   same_dtype(q, k, v)
   return q, k, v
+
+
+def some_depth(q_name: str, q_shape, k_name: str, k_shape, H: int) -> None:
+  """H = 0 has no logit to compute and no default scale 1 / sqrt(H): refused by name."""
+  if H == 0:
+    raise ValueError(f"depth H: {q_name} and {k_name} need at least one feature, got "
+                     f"{q_name} shape {tuple(q_shape)} and {k_name} shape {tuple(k_shape)} "
+                     f"(H = 0)")
+
+
+def scale(x) -> None:
+  """A Python number or a float scalar array (traced or not)."""
+  number = isinstance(x, (int, float)) and not isinstance(x, bool)
+  array = (hasattr(x, "dtype") and hasattr(x, "shape") and x.shape == ()
+           and jnp.issubdtype(x.dtype, jnp.floating))
+  if not (number or array):
+    raise TypeError(f"scale must be a number or a float scalar array, got "
+                    f"{type(x).__name__} {x!r}")
 
 
 def broadcastable(name: str, x, target: Sequence[int], legend: str,

@@ -20,6 +20,7 @@ from jattn._src.decode import registry as _registry
 from jattn._src.decode import sharded_decode
 from jattn._src.decode import work_list as _work_list
 from jattn._src.masks.closed_form_blocks import is_closed_form
+from jattn._src.masks.mods import check_fit
 from jattn._src.masks.programmable import build_mods
 
 
@@ -81,8 +82,11 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
                        f"cache.lengths {lengths.tolist()})")
   # a ready-made mask_mod stays untraced, for the jit of `_run` to cache on (Mods.traced)
   mods = build_mods(mask_mod, score_mod, sinks, None, N=N, defer_ready_made=True)
+  for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+    check_fit(mod, name, B=B, N=N)  # positions run to the cache's capacity: unchecked
   if scale is None:
     scale = 1.0 / float(np.sqrt(H))
+  _checks.scale(scale)
   # what the split path runs: a ready-made mask whose arrays do not fit the cache's
   # max_pages * page_size keys is evaluated like a user's mask_mod
   mask = "none" if mask_mod is None else (

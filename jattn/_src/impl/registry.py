@@ -21,7 +21,7 @@ from typing import Callable
 import jax.numpy as jnp
 
 from jattn._src import compat
-from jattn._src.impl import cudnn, fused, kernel_plans
+from jattn._src.impl import cudnn, fused, kernel_plans, no_work
 from jattn._src.core.block_sizes import BlockSizes, default_block_sizes
 from jattn._src.impl.blockwise import blockwise_attention
 from jattn._src.impl.vmap import vmapped_attention
@@ -159,6 +159,9 @@ IMPLEMENTATIONS = {
         "flex_mgpu_ws", _flex_plan(flex_mgpu, fast=True), flex_mgpu_call.run_ws,
         platforms=("cuda",), interpretable=True),
 }
+# A call with B, T, S or D of 0 computes nothing, in every implementation (no_work.py).
+IMPLEMENTATIONS = {name: no_work.taking_empty_calls(implementation)
+                   for name, implementation in IMPLEMENTATIONS.items()}
 # "ring" and "context_parallel" are no entries: each is a shard_map over the context mesh
 # around the blockwise loop (jattn/_src/parallel/ring.py), chosen only by name.
 NAMES = tuple(IMPLEMENTATIONS) + ("ring", "context_parallel")

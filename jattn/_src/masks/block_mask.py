@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn._src.core.block_sizes import BlockSizes
+from jattn._src.masks.closed_form_blocks import is_closed_form
+from jattn._src.masks.mods import check_fit
 from jattn._src.masks.programmable import build_mods, grid_index, on_grid
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -120,8 +122,10 @@ def create_block_mask(mask_mod, B, N, T: int, S: int, *,
   T and S.
 
   Raises:
-    ValueError: non-positive sizes, or a mask_mod that does not return a bool
-      scalar for one entry; TypeError: a mask_mod that is not callable.
+    ValueError: non-positive sizes, a mask_mod that does not return a bool
+      scalar for one entry, B or N None for a mask_mod that reads b or n, or a
+      ready-made mask whose arrays do not fit B, T, S; TypeError: a mask_mod that
+      is not callable.
 
   Examples:
     >>> import jax.numpy as jnp, jattn
@@ -142,9 +146,25 @@ def create_block_mask(mask_mod, B, N, T: int, S: int, *,
   if not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), got {block_sizes!r}")
   mods = build_mods(mask_mod, None, None, None, N=N or 1)  # checks arity and result
+  check_fit(mask_mod, "mask_mod", B=B, N=N, T=T, S=S)
+  for name, size, index, letter in (("B", B, 0, "b"), ("N", N, 1, "n")):
+    if size is None and _reads_index(mask_mod, mods, index):
+      raise ValueError(f"create_block_mask: {name} is None, but mask_mod reads its index "
+                       f"{letter}: pass {name} (the classes of {letter} = 0 alone would "
+                       f"skip blocks another {letter} sees)")
   block_sizes = block_sizes.clipped(T, S)
   classes = classify(mods, B or 1, N or 1, T, S, block_sizes.q, block_sizes.kv)
   return BlockMask(classes, block_sizes, B, N, T, S, mods.mask_jaxpr, mods.mask_consts)
+
+
+def _reads_index(mask_mod, mods, index: int) -> bool:
+  """Whether mask_mod depends on its argument `index` (0 b, 1 n). A ready-made mask reads
+  b only through arrays per batch row (a leading 1 broadcasts) and never reads n; another
+  function, wherever its jaxpr reads the argument."""
+  if is_closed_form(mask_mod):
+    return index == 0 and any(jnp.ndim(x) and jnp.shape(x)[0] > 1
+                              for x in jax.tree.leaves(mask_mod))
+  return mods.mask_uses(index)
 
 
 def classify(mods, B: int, N: int, T: int, S: int, bq: int, bk: int, q_offset=0,

@@ -320,6 +320,49 @@ def relative_bias(table) -> RelativeBias:
   return RelativeBias(table)
 
 
+# ---------------------------------------------------------------- fitting a call
+
+
+def check_fit(mod, argument: str, *, B: int | None, N: int | None, T: int | None = None,
+              S: int | None = None) -> None:
+  """Raises a ValueError, naming `argument` and the shapes, where an array of a ready-made
+  mod does not fit a call of sizes B, N, T, S; other functions pass unchecked.
+
+  A gather past an array's end is clamped, so an unfit array would silently give rows,
+  heads or positions another one's entry. A leading size of 1 broadcasts over B (as the
+  closed-form block classes read it); segment ids may run past T and S (never read
+  there). None: that size unchecked (decode's positions run to the cache's capacity;
+  create_block_mask's B or N of None).
+  """
+  def fits(name, x, axes):
+    """axes: (letter, the call's size or None) per axis of x."""
+    shape = jnp.shape(x)
+    rule = {"B": lambda got, size: got in (1, size), "T": int.__ge__, "S": int.__ge__,
+            "N": int.__eq__}
+    if len(shape) == len(axes) and all(
+        size is None or rule.get(letter, lambda *_: True)(got, size)
+        for got, (letter, size) in zip(shape, axes)):
+      return
+    want = ", ".join(letter if size is None else f"{letter} = {size}" for letter, size in axes)
+    notes = ["a leading 1 broadcasts over B"] * any(letter == "B" for letter, _ in axes) + [
+        "ids past the sequence are not read"] * any(letter in "TS" for letter, _ in axes)
+    raise ValueError(f"{argument}: mods.{type(mod).__name__}'s {name} must be [{want}]"
+                     f"{' (' + '; '.join(notes) + ')' if notes else ''}, got shape {shape}")
+
+  if isinstance(mod, (And, Or)):
+    for part in mod.mask_mods:
+      check_fit(part, argument, B=B, N=N, T=T, S=S)
+  elif isinstance(mod, PrefixLM):
+    fits("prefix_lengths", mod.prefix_lengths, (("B", B),))
+  elif isinstance(mod, Document):
+    fits("q_segment_ids", mod.q_segment_ids, (("B", B), ("T", T)))
+    fits("kv_segment_ids", mod.kv_segment_ids, (("B", B), ("S", S)))
+  elif isinstance(mod, Alibi):
+    fits("slopes", mod.slopes, (("N", N),))
+  elif isinstance(mod, RelativeBias):
+    fits("table", mod.table, (("N", N), ("2M + 1", None)))
+
+
 # Pytrees: array parameters are leaves (they may be traced, and jattn keeps the
 # object itself inside a call's jit), ints are static; And/Or hold their parts.
 for _cls, _arrays, _static in (

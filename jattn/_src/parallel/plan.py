@@ -135,6 +135,9 @@ def _mib(n) -> str:
 
 
 def divisibility(length: int, letter: str, chunks: int, P: int, axis_name: str) -> str | None:
+  if length == 0:  # every row sees no key, or there is no row: nothing to share out
+    return (f"length {letter}=0: no token to shard over mesh axis {axis_name!r} (on one "
+            f"device, the call returns zeros)")
   if length % (chunks * P):
     return (f"length {letter}={length} must be divisible by {chunks * P} ({chunks} chunk(s) "
             f"for each of the {P} devices of mesh axis {axis_name!r})")
