@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from jattn._src.impl.no_work import NoWork
 from jattn._src.impl.registry import IMPLEMENTATIONS, PLATFORMS, preference, why_first
 
 # platform_dependent's `default=` branch: every platform not named (ROCm and others).
@@ -65,7 +66,9 @@ def choose(call, implementation: str | None, platform: str, *, registry=None,
   for name in order(call, platform):
     plan = registry[name].plan_for(call, platform)
     if not isinstance(plan, str):
-      why = why_first(call, platform, name) if order is preference else None
+      # (no reason of speed for a call that runs nothing)
+      why = (why_first(call, platform, name)
+             if order is preference and not isinstance(plan, NoWork) else None)
       return Choice(platform, name, plan, tuple(passed_over), why=why)
     passed_over.append((name, plan))
   # "xla" takes every call, so this cannot happen

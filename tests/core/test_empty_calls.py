@@ -85,3 +85,4 @@ def test_kernels_take_an_empty_call_and_explain_says_nothing_runs(kernel):
   for platform in ("cpu", "tpu", "cuda"):
     assert f"{platform}: " in report
   assert report.count("NoWork(S = 0") == 3, report
+  assert "why:" not in report  # no reason of speed for a call that runs nothing

@@ -99,7 +99,7 @@ def test_query_dtype_must_be_the_caches():
     jattn.dot_product_attention(_query(dtype=jnp.bfloat16), _query(), _query())
 
 
-def test_unfit_ready_made_mods_and_a_scale_that_is_no_number_are_refused():
+def test_unfit_mods_a_scale_that_is_no_number_and_an_empty_query_are_refused():
   """As dot_product_attention's (tests/masks/test_mods.py, tests/core/test_errors.py); mods
   must fit the cache's rows and the query heads; positions are not checked:
   they run to the cache's capacity, and ids past a row's length are never read."""
@@ -108,6 +108,8 @@ def test_unfit_ready_made_mods_and_a_scale_that_is_no_number_are_refused():
     jattn.decode_attention(_query(), cache, score_mod=jattn.mods.alibi(jnp.ones(3)))
   with raises(TypeError, "scale", "str"):
     jattn.decode_attention(_query(), cache, scale="x")
+  with raises(ValueError, "query", "at least 1", f"({B}, 0, {N}, {H})"):
+    jattn.decode_attention(_query()[:, :0], cache, query_lengths=np.zeros(B, np.int32))
   with raises(ValueError, "mask_mod", "q_segment_ids", f"B = {B}", f"({B + 1}, {MAX_LENGTH})"):
     jattn.decode_attention(_query(), cache, mask_mod=jattn.mods.document(
         jnp.zeros((B + 1, MAX_LENGTH), jnp.int32)))

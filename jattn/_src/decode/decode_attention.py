@@ -37,6 +37,9 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
     raise TypeError(f"query must be a floating-point array, got dtype {query.dtype} with "
                     f"shape {query.shape}")
   B, T, N, H = query.shape
+  if min(B, T, N, H) == 0:  # a step of no query: the caller has nothing to decode
+    raise ValueError(f"query: a decode step needs B, T, N and H of at least 1, got shape "
+                     f"{query.shape} [B, T, N, H]")
   P, K, ps, Hk = cache.key_pages.shape
   D = cache.value_pages.shape[3]
   if B != cache.batch_size:
