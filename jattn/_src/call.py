@@ -123,7 +123,7 @@ def make_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   window = local_window(local_window_size)
   if scale is None:
     scale = default_scale(dims.H)
-  checks.scale(scale)
+  scale = checks.scale(scale)
   check_dropout(dropout_rate, dropout_rng)
   for name, flag in (("is_causal", is_causal), ("return_weights", return_weights),
                      ("return_residual", return_residual),

@@ -1,4 +1,4 @@
-"""Calls with nothing to compute: no batch row, no query, no key or no value depth.
+"""Calls with nothing to compute: no batch row, no query or no key; and no value depth.
 
 jax.nn.dot_product_attention takes T = 0 and S = 0 (zeros: no key). Every row of such a
 call is a row with no visible key, or there is none, so jattn answers as the contract says
@@ -34,7 +34,7 @@ def _arrays(zero, layout="BTNH"):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "vmap", "blockwise", None])
-@pytest.mark.parametrize("zero", ["B", "T", "S", "D"])
+@pytest.mark.parametrize("zero", ["B", "T", "S"])
 def test_an_empty_call_answers_as_rows_with_no_key(zero, implementation):
   q, k, v = _arrays(zero)
   kw = dict(implementation=implementation, is_causal=True, sinks=SINKS,
@@ -86,3 +86,26 @@ def test_kernels_take_an_empty_call_and_explain_says_nothing_runs(kernel):
     assert f"{platform}: " in report
   assert report.count("NoWork(S = 0") == 3, report
   assert "why:" not in report  # no reason of speed for a call that runs nothing
+
+
+@pytest.mark.parametrize("implementation", ["xla", "vmap", "blockwise"])
+def test_no_value_depth_still_has_its_keys_lse_and_max_logits(implementation):
+  """D = 0 is no empty call: out is empty, but lse and max logits are those of the keys
+  (float64 NumPy: causal, sinks)."""
+  q, k, v = _arrays("D")
+  out, lse, max_logits = jattn.dot_product_attention(
+      q, k, v, implementation=implementation, is_causal=True, sinks=SINKS,
+      return_residual=True, return_max_logits=True)
+  assert out.shape == (SIZES["B"], SIZES["T"], SIZES["N"], 0)
+  G = SIZES["N"] // SIZES["K"]
+  logits = np.einsum("btnh,bsnh->btns", np.asarray(q, np.float64),
+                     np.repeat(np.asarray(k, np.float64), G, axis=2)) / np.sqrt(SIZES["H"])
+  t, s_ = np.arange(SIZES["T"])[:, None, None], np.arange(SIZES["S"])[None, None, :]
+  logits = np.where((s_ <= t)[None], logits, -np.inf)  # [B, T, N, S]
+  want_max = logits.max(-1)
+  with np.errstate(divide="ignore"):
+    terms = np.concatenate([logits, np.broadcast_to(SINKS[None, None, :, None],
+                                                    logits.shape[:3] + (1,))], -1)
+  want_lse = np.log(np.exp(terms - want_max[..., None]).sum(-1)) + want_max
+  np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(max_logits, want_max, rtol=1e-5, atol=1e-5)

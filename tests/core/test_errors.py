@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jattn
@@ -137,11 +138,20 @@ def test_dpa_sequence_parallel_needs_a_sequence(implementation, letter, q_shape,
       dpa(q, k, v, implementation=implementation)
 
 
-@pytest.mark.parametrize("scale", ["x", True, jnp.ones(2), jnp.int32(2)])
+@pytest.mark.parametrize("scale", ["x", True, jnp.ones(2), jnp.int32(2), np.bool_(True), 1j])
 def test_dpa_scale_not_a_float_scalar(scale):
   q, k, v = _arrays()
   with raises(TypeError, "scale", type(scale).__name__):
     dpa(q, k, v, scale=scale)
+
+
+def test_dpa_takes_a_scale_of_any_real_kind():
+  q, k, v = _arrays()
+  want = dpa(q, k, v, scale=0.5)
+  for scale in (np.float32(0.5), jnp.float32(0.5), np.float64(0.5)):
+    np.testing.assert_allclose(dpa(q, k, v, scale=scale), want, rtol=1e-6)
+  np.testing.assert_allclose(dpa(q, k, v, scale=np.int64(1)), dpa(q, k, v, scale=1.0),
+                             rtol=1e-6)
 
 
 def test_dpa_unknown_implementation():

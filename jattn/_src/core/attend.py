@@ -80,6 +80,6 @@ def attend(q: Float[Array, "H"], k: Float[Array, "S H"], v: Float[Array, "S D"],
   mask = _checks.same_shape("mask", mask, (S,), "[S]")
   bias = _checks.same_shape("bias", bias, (S,), "[S]")
   scale = default_scale(q.shape[-1]) if scale is None else scale
-  _checks.scale(scale)
+  scale = _checks.scale(scale)
   out, _ = attend_with_weights(q, k, v, mask, bias, None, scale)
   return out

@@ -109,7 +109,7 @@ def attention(q, k, v, *, mask=None, bias=None, scale=None, layout="rows",
   bias = _checks.same_shape("bias", bias, logical, legend)
   H = q.shape[1] if layout == "rows" else q.shape[0]
   scale = default_scale(H) if scale is None else scale
-  _checks.scale(scale)
+  scale = _checks.scale(scale)
   out, weights = attention_with_weights(q, k, v, mask, bias, None, scale, layout)
   return (out, weights) if return_weights else out
 

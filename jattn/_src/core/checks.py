@@ -77,14 +77,18 @@ def some_depth(q_name: str, q_shape, k_name: str, k_shape, H: int) -> None:
                      f"(H = 0)")
 
 
-def scale(x) -> None:
-  """A Python number or a float scalar array (traced or not)."""
+def scale(x):
+  """A real number: a Python or NumPy one (returned as a Python number, weakly typed), or a
+  float scalar array (traced or not); not a bool."""
+  if isinstance(x, np.generic) and isinstance(x, (np.integer, np.floating)):
+    return x.item()
   number = isinstance(x, (int, float)) and not isinstance(x, bool)
   array = (hasattr(x, "dtype") and hasattr(x, "shape") and x.shape == ()
            and jnp.issubdtype(x.dtype, jnp.floating))
   if not (number or array):
-    raise TypeError(f"scale must be a number or a float scalar array, got "
+    raise TypeError(f"scale must be a real number or a float scalar array, got "
                     f"{type(x).__name__} {x!r}")
+  return x
 
 
 def broadcastable(name: str, x, target: Sequence[int], legend: str,

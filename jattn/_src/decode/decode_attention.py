@@ -89,7 +89,7 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
     check_fit(mod, name, B=B, N=N)  # positions run to the cache's capacity: unchecked
   if scale is None:
     scale = 1.0 / float(np.sqrt(H))
-  _checks.scale(scale)
+  scale = _checks.scale(scale)
   # what the split path runs: a ready-made mask whose arrays do not fit the cache's
   # max_pages * page_size keys is evaluated like a user's mask_mod
   mask = "none" if mask_mod is None else (

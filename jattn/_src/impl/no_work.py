@@ -1,5 +1,4 @@
-"""A call with nothing to compute: no batch row (B = 0), no query (T = 0), no key (S = 0)
-or no value depth (D = 0).
+"""A call with nothing to compute: no batch row (B = 0), no query (T = 0) or no key (S = 0).
 
 Every row of such a call is a row with no visible key, or there is no row: the answer is
 known without running anything (out zeros, weights zeros, lse the empty-row constant or
@@ -29,9 +28,11 @@ class NoWork:
 
 
 def plan(call) -> NoWork | None:
-  """NoWork for a call with B, T, S or D of 0, else None."""
+  """NoWork for a call with B, T or S of 0, else None. (D = 0 is no such call: its
+  weights, lse and max logits are those of its keys, and the dense and blockwise paths
+  compute them; the kernels refuse it by their head sizes.)"""
   d = call.dims
-  empty = [f"{letter} = 0" for letter in "BTSD" if getattr(d, letter) == 0]
+  empty = [f"{letter} = 0" for letter in "BTS" if getattr(d, letter) == 0]
   return NoWork(", ".join(empty)) if empty else None
 
 

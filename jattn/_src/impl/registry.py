@@ -159,7 +159,7 @@ IMPLEMENTATIONS = {
         "flex_mgpu_ws", _flex_plan(flex_mgpu, fast=True), flex_mgpu_call.run_ws,
         platforms=("cuda",), interpretable=True),
 }
-# A call with B, T, S or D of 0 computes nothing, in every implementation (no_work.py).
+# A call with B, T or S of 0 computes nothing, in every implementation (no_work.py).
 IMPLEMENTATIONS = {name: no_work.taking_empty_calls(implementation)
                    for name, implementation in IMPLEMENTATIONS.items()}
 # "ring" and "context_parallel" are no entries: each is a shard_map over the context mesh
