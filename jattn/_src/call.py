@@ -22,7 +22,6 @@ from jattn._src.masks.modifiers import Modifiers
 from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.core.dropout import Dropout
 from jattn._src.masks.block_mask import check_block_mask
-from jattn._src.masks.mods import check_fit
 from jattn._src.masks.programmable import build_mods
 from jattn._src.masks.structural import MaskSpec
 
@@ -134,9 +133,8 @@ def make_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), "
                     f"got {block_sizes!r}")
-  mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N, defer_ready_made=True)
-  for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
-    check_fit(mod, name, B=B, N=N, T=T, S=S)
+  mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N, B=B, T=T, S=S,
+                    defer_ready_made=True)
   if mods is not None and mods.block_mask is not None:
     block_sizes = check_block_mask(mods.block_mask, B=B, N=N, T=T, S=S,
                                    block_sizes=block_sizes, has_batch=lay.has_batch)

@@ -20,7 +20,6 @@ from jattn._src.decode import registry as _registry
 from jattn._src.decode import sharded_decode
 from jattn._src.decode import work_list as _work_list
 from jattn._src.masks.closed_form_blocks import is_closed_form
-from jattn._src.masks.mods import check_fit
 from jattn._src.masks.programmable import build_mods
 
 
@@ -84,9 +83,8 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
                        f"tokens in the cache, so 0 <= query_lengths <= min(T = {T}, "
                        f"cache.lengths {lengths.tolist()})")
   # a ready-made mask_mod stays untraced, for the jit of `_run` to cache on (Mods.traced)
-  mods = build_mods(mask_mod, score_mod, sinks, None, N=N, defer_ready_made=True)
-  for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
-    check_fit(mod, name, B=B, N=N)  # positions run to the cache's capacity: unchecked
+  # (positions run to the cache's capacity: the mods' arrays are fitted to B and N alone)
+  mods = build_mods(mask_mod, score_mod, sinks, None, N=N, B=B, defer_ready_made=True)
   if scale is None:
     scale = 1.0 / float(np.sqrt(H))
   scale = _checks.scale(scale)

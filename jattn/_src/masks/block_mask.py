@@ -18,7 +18,6 @@ from jax import lax
 
 from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.masks.closed_form_blocks import is_closed_form
-from jattn._src.masks.mods import check_fit
 from jattn._src.masks.programmable import build_mods, grid_index, on_grid
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -145,8 +144,8 @@ def create_block_mask(mask_mod, B, N, T: int, S: int, *,
     block_sizes = BLOCK_MASK_SIZES
   if not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), got {block_sizes!r}")
-  mods = build_mods(mask_mod, None, None, None, N=N or 1)  # checks arity and result
-  check_fit(mask_mod, "mask_mod", B=B, N=N, T=T, S=S)
+  # checks arity, result and that a ready-made mask's arrays fit B, T, S (no mask reads N)
+  mods = build_mods(mask_mod, None, None, None, N=N or 1, B=B, T=T, S=S)
   for name, size, index, letter in (("B", B, 0, "b"), ("N", N, 1, "n")):
     if size is None and _reads_index(mask_mod, mods, index):
       raise ValueError(f"create_block_mask: {name} is None, but mask_mod reads its index "

@@ -23,6 +23,7 @@ from jattn._src import compat
 from jattn._src.core import checks as _checks
 from jattn._src.core.explicit_axes import unsharded
 from jattn._src.masks.closed_form_blocks import is_closed_form
+from jattn._src.masks.mods import check_fit
 
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
 _SCORE = jax.ShapeDtypeStruct((), jnp.float32)
@@ -183,14 +184,19 @@ def _is_pytree(mod) -> bool:
   return not (len(leaves) == 1 and leaves[0] is mod) and bool(leaves)
 
 
-def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int,
+def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int, B: int | None = None,
+               T: int | None = None, S: int | None = None,
                defer_ready_made: bool = False) -> Mods | None:
   """Checks the programmable arguments (before any work) and bundles them; None if all absent.
 
-  defer_ready_made: keep a ready-made mask_mod (jattn.mods) untraced, for `Mods.traced`
-  to trace inside the caller's jit (then the value is `is_cacheable`)."""
+  B, T, S: the call's sizes that a ready-made mod's arrays must fit (`mods.check_fit`; N
+  too), None where unchecked. defer_ready_made: keep a ready-made mask_mod (jattn.mods)
+  untraced, for `Mods.traced` to trace inside the caller's jit (then the value is
+  `is_cacheable`)."""
   if mask_mod is None and score_mod is None and sinks is None and block_mask is None:
     return None
+  for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+    check_fit(mod, name, B=B, N=N, T=T, S=S)
   fields = {}
   # a ready-made mod's arrays (a pytree's leaves) are read at any (b, n, t, s)
   mask_mod, score_mod = (jax.tree.map(unsharded, m) if _is_pytree(m)
