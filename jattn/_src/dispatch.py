@@ -223,9 +223,39 @@ def compute(call, choices: tuple[Choice, ...]):
   # caller's trace; ready-made mask mods and sinks are traced inside the jit,
   # which caches on their static fields.
   fn = _compute if mods is None or mods.is_cacheable else _compute.__wrapped__
-  return fn(call.query, call.key, call.value, call.modifiers, layout=call.layout,
-            choices=choices, return_weights=call.return_weights,
-            return_residual=call.return_residual, return_max_logits=call.return_max_logits)
+  try:
+    return fn(call.query, call.key, call.value, call.modifiers, layout=call.layout,
+              choices=choices, return_weights=call.return_weights,
+              return_residual=call.return_residual, return_max_logits=call.return_max_logits)
+  except (NotImplementedError, TypeError) as error:
+    _explain_forward_mode(error, choices)
+    raise
+
+
+def _explain_forward_mode(error: Exception, choices) -> None:
+  """Adds to a failed forward-mode derivative what jattn's implementations support: JAX
+  takes none of a custom_vjp function itself, nor of jax's own kernels at all."""
+  plain = "forward-mode" in str(error)  # JAX's words for a custom_vjp under jax.jvp
+  if not (plain or isinstance(error, NotImplementedError)):
+    return
+  platforms = {}
+  for c in choices:
+    if c.implementation is not None and not IMPLEMENTATIONS[c.implementation].forward_mode:
+      platforms.setdefault(c.implementation, []).append(c.platform)
+  notes = []
+  if plain:
+    notes.append("JAX takes no forward-mode derivative (jax.jvp, jax.jacfwd, jax.linearize) "
+                 "of a function with a custom VJP, which 'blockwise' and jattn's kernels "
+                 "have; implementation='xla' has one. Forward over reverse (jax.jvp of "
+                 "jax.grad, jax.hessian) passes through every jattn implementation.")
+  if platforms:
+    named = "; ".join(f"{name!r} on {', '.join(on)}" for name, on in platforms.items())
+    notes.append(f"jax's own kernels have no forward-mode derivative at all, and this "
+                 f"program holds one ({named}), for every platform it may be lowered for; "
+                 f"name one of jattn's with implementation=..., e.g. 'blockwise' or "
+                 f"'flex_tpu' (jattn.explain shows each platform's).")
+  if notes:
+    error.add_note("jattn: " + " ".join(notes))
 
 
 def residual_in_layout(lse, layout, dtype) -> jax.Array:

@@ -55,6 +55,9 @@ class Implementation:
 
   platforms: where it runs ("cpu", "tpu", "cuda", "rocm"); None = everywhere.
   interpretable: a Pallas kernel that runs anywhere inside `pallas_interpret()`.
+  forward_mode: its passes have forward-mode derivatives, so `jax.jvp` of `jax.grad` (a
+    Hessian-vector product) and `jax.hessian` pass through it; jax's own kernels have none
+    (a Pallas call or cuDNN's custom call has no JVP rule).
   vmaps_over_explicit_axes: jax can batch it under a vmap whose mapped axis is sharded
     over Explicit mesh axes (jax's batching rules of Pallas calls and of loops nested
     in loops refuse that axis: NotImplementedError, "Resource axis ... not found").
@@ -68,6 +71,7 @@ class Implementation:
   run: Callable
   platforms: tuple[str, ...] | None = None
   interpretable: bool = False
+  forward_mode: bool = True
   vmaps_over_explicit_axes: bool = False
 
   def plan_for(self, call, platform: str):
@@ -139,13 +143,13 @@ IMPLEMENTATIONS = {
         "blockwise", _blockwise_plan,
         lambda plan, *args: blockwise_attention(*args, block_sizes=plan.block_sizes)),
     "cudnn": Implementation(
-        "cudnn", cudnn.plan, cudnn.run, platforms=("cuda",)),
+        "cudnn", cudnn.plan, cudnn.run, platforms=("cuda",), forward_mode=False),
     "splash": Implementation(
         "splash", kernel_plans.splash_plan, fused.splash_implementation,
-        platforms=("tpu",), interpretable=True),
+        platforms=("tpu",), interpretable=True, forward_mode=False),
     "pallas": Implementation(
         "pallas", kernel_plans.pallas_plan, fused.pallas_implementation,
-        platforms=("cuda",), interpretable=True),
+        platforms=("cuda",), interpretable=True, forward_mode=False),
     "flex_tpu": Implementation(  # jattn's own TPU kernel: any mask_mod / score_mod
         "flex_tpu", _flex_plan(flex_tpu), flex_tpu_call.run, platforms=("tpu",), interpretable=True),
     "flex_gpu": Implementation(  # jattn's own GPU kernel (Triton): any mask_mod / score_mod

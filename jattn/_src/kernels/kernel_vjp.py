@@ -16,14 +16,14 @@ import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from jattn._src.core.layout import Layout
-from jattn._src.kernels import blockwise_loop
+from jattn._src.kernels import blockwise_loop, forward_mode
 from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.kernels import kernel_plan
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 
 
 def batched(layout: Layout) -> Layout:
-  return layout if layout.has_batch else Layout("B" + layout.query)
+  return layout.with_batch()
 
 
 def with_batch(x, layout):
@@ -74,7 +74,11 @@ def kernel_run(forward, backward, primal=None):
   out in value's dtype, so that an inference call pays nothing for the gradients'
   float32 residual (the float32 P V that score_mod's float arrays ask for);
   modifiers' mods traced, the plan numbered for that trace (`kernel_plan.for_trace`).
+  Each pass takes its forward-mode derivative from the blockwise loop (`forward_mode`),
+  so `jax.jvp` of `jax.grad` and `jax.hessian` pass through the kernels.
   """
+  forward, backward = forward_mode.forward_pass(forward), forward_mode.backward_pass(backward)
+  primal = None if primal is None else forward_mode.forward_pass(primal)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
   def attention(plan, layout, query, key, value, modifiers):

@@ -46,7 +46,7 @@ from jattn._src.masks.structural import MaskSpec
 from jattn._src.masks.modifiers import Modifiers
 from jattn._src.masks.programmable import add_sinks, sinks_grad
 from jattn._src.core.softmax import LARGE_NEGATIVE
-from jattn._src.kernels import flex_tpu_call
+from jattn._src.kernels import flex_tpu_call, forward_mode
 from jattn._src.masks.block_mask import EMPTY
 
 _ROWS = "BNT"  # one value per query row and head: lse, max logits
@@ -105,9 +105,14 @@ class Ring:
   def step_forward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset):
     """(out, lse [B, N, t], max logits [B, N, t] or None unless `max_logits`) of one
     chunk pair at its global offsets; no sinks."""
-    if self.kernel is not None:
-      return flex_tpu_call.step_forward(self.kernel, self.layout, q, k, v, modifiers.mods,
-                                        q_offset, kv_offset)
+    if self.kernel is not None:  # its tangent (jax.jvp of jax.grad) from the loop's
+      kernel = lambda q, k, v, modifiers, q_offset, kv_offset: flex_tpu_call.step_forward(
+          self.kernel, self.layout, q, k, v, modifiers.mods, q_offset, kv_offset)
+      return forward_mode.tangent_from(self._loop_forward)(kernel)(q, k, v, modifiers,
+                                                                   q_offset, kv_offset)
+    return self._loop_forward(q, k, v, modifiers, q_offset, kv_offset)
+
+  def _loop_forward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset):
     if self.max_logits:
       return _blockwise.forward_with_max(q, k, v, modifiers, self.layout, q_offset, kv_offset,
                                          self.block_sizes)
@@ -117,13 +122,18 @@ class Ring:
   def step_backward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset, out, lse, d_out):
     """One chunk pair's share of (d_q, d_k, d_v, d score_mod arrays), from the final
     out, lse and d_out."""
+    args = (q, k, v, modifiers, q_offset, kv_offset, out, lse, d_out)
     if self.kernel is None:
-      dq, dk, dv, _, dc = _blockwise.backward_with_score_grads(
-          q, k, v, modifiers, self.layout, q_offset, kv_offset, self.block_sizes, out, lse,
-          d_out)
-      return dq, dk, dv, dc
-    return flex_tpu_call.step_backward(self.kernel, self.layout, q, k, v, modifiers, q_offset,
-                                  kv_offset, out, lse, d_out)
+      return self._loop_backward(*args)
+    kernel = functools.partial(flex_tpu_call.step_backward, self.kernel, self.layout)
+    return forward_mode.tangent_from(self._loop_backward)(kernel)(*args)
+
+  def _loop_backward(self, q, k, v, modifiers: Modifiers, q_offset, kv_offset, out, lse,
+                     d_out):
+    dq, dk, dv, _, dc = _blockwise.backward_with_score_grads(
+        q, k, v, modifiers, self.layout, q_offset, kv_offset, self.block_sizes, out, lse,
+        d_out)
+    return dq, dk, dv, dc
 
 
 def _rows_like_out(rows: jax.Array, layout: Layout) -> jax.Array:
