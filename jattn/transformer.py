@@ -316,7 +316,7 @@ class Transformer(nnx.Module):
     if self.previous_embed is not None:
       x = x + self._previous(tokens, start, decode, lengths)
     if self.position_embed is not None:  # learned; rope acts inside the attention
-      positions = start[:, None] + jnp.arange(T)[None, :]  # [B, T]
+      positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
       x = x + jnp.take(self.position_embed[...], positions, axis=0, mode="clip")
     if self.config.layout == "columns":
       x = jnp.swapaxes(x, 1, 2)  # [B, F, T]: the residual stream as columns
@@ -344,7 +344,7 @@ class Transformer(nnx.Module):
     first = (laid_out_as(self.last_token[...], whole[:, 0]) if decode
              else jnp.zeros_like(whole[:, 0]))  # [B]
     previous = jnp.concatenate([first[:, None], whole[:, :-1]], axis=1)  # [B, T]
-    has_previous = (start[:, None] + jnp.arange(T)[None, :]) > 0  # [B, T]
+    has_previous = (start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]) > 0  # [B, T]
     if decode:
       n = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
       n = laid_out_as(n, first)
@@ -386,7 +386,7 @@ class Transformer(nnx.Module):
       return jnp.take_along_axis(hidden, positions[:, None, :], axis=2)
     # on Explicit axes jax cannot infer the sharding of a gather by sharded positions
     # (along a T that may be sharded too): the rows are laid out as the positions
-    b = jnp.arange(positions.shape[0])[:, None]  # [B, 1]
+    b = jnp.arange(positions.shape[0], dtype=jnp.int32)[:, None]  # [B, 1]
     at = (b, positions) if rows else (b, slice(None), positions)  # both give [B, P, F]
     taken = hidden.at[at].get(out_sharding=sharding)
     return taken if rows else jnp.swapaxes(taken, 1, 2)

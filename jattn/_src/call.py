@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jattn._src.core import checks
 from jattn._src.core.attend import default_scale
 from jattn._src.core.layout import Layout, parse_layout
+from jattn._src.core.softmax import logits_dtype
 from jattn._src.masks.modifiers import Modifiers
 from jattn._src.core.block_sizes import BlockSizes
 from jattn._src.core.dropout import Dropout
@@ -134,7 +135,7 @@ def make_call(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     raise TypeError(f"block_sizes must be a jattn.BlockSizes(q=..., kv=...), "
                     f"got {block_sizes!r}")
   mods = build_mods(mask_mod, score_mod, sinks, block_mask, N=N, B=B, T=T, S=S,
-                    defer_ready_made=True)
+                    defer_ready_made=True, logits_dtype=logits_dtype(query.dtype))
   if mods is not None and mods.block_mask is not None:
     block_sizes = check_block_mask(mods.block_mask, B=B, N=N, T=T, S=S,
                                    block_sizes=block_sizes, has_batch=lay.has_batch)

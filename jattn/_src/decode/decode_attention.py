@@ -20,6 +20,7 @@ from jattn._src.decode import registry as _registry
 from jattn._src.decode import sharded_decode
 from jattn._src.decode import work_list as _work_list
 from jattn._src.masks.closed_form_blocks import is_closed_form
+from jattn._src.core.softmax import logits_dtype
 from jattn._src.masks.programmable import build_mods
 
 
@@ -84,7 +85,8 @@ def _check(query, cache, query_lengths, mask_mod, score_mod, sinks, is_causal,
                        f"cache.lengths {lengths.tolist()})")
   # a ready-made mask_mod stays untraced, for the jit of `_run` to cache on (Mods.traced)
   # (positions run to the cache's capacity: the mods' arrays are fitted to B and N alone)
-  mods = build_mods(mask_mod, score_mod, sinks, None, N=N, B=B, defer_ready_made=True)
+  mods = build_mods(mask_mod, score_mod, sinks, None, N=N, B=B, defer_ready_made=True,
+                    logits_dtype=logits_dtype(query.dtype))
   if scale is None:
     scale = 1.0 / float(np.sqrt(H))
   scale = _checks.scale(scale)

@@ -171,7 +171,7 @@ def chunks(counts, per_split: int, capacity: int):
   which only a block table holding one page twice can make)."""
   B = counts.shape[0]
   per_row = (counts + per_split - 1) // per_split  # [B]
-  ends = jnp.cumsum(per_row)  # [B]: each row's chunks end here
+  ends = jnp.cumsum(per_row, dtype=jnp.int32)  # [B]: each row's chunks end here
   c = jnp.arange(capacity, dtype=jnp.int32)
   row = jnp.minimum(jnp.searchsorted(ends, c, side="right"), B - 1).astype(jnp.int32)
   lo = (c - (ends[row] - per_row[row])) * per_split

@@ -109,17 +109,17 @@ def kernel(*refs, p, tm):
   length, first, n_queries = lengths[b], q_first[b], q_lengths[b]
   scale = scale_ref[0]
   rows = jax.lax.broadcasted_iota(jnp.int32, tile, 0)
-  rows_t = jax.lax.rem(rows, T)
-  rows_g = jax.lax.div(rows, T)
+  rows_t = jax.lax.rem(rows, jnp.int32(T))
+  rows_g = jax.lax.div(rows, jnp.int32(T))
   t_pos = first + rows_t
   row_ok = (rows < G * T) & (rows_t < n_queries)
   column = jnp.arange(BK, dtype=jnp.int32)  # [W S]: page w = column // S, slot column % S
-  in_page = jax.lax.rem(column, S)
+  in_page = jax.lax.rem(column, jnp.int32(S))
   q = q_ref[b, k, :, :]  # [R, H]
 
   def body(step, carry):
     acc, m, l = carry
-    item = step * W + jax.lax.div(column, S)  # [W S]: this chunk's list entry of each key
+    item = step * W + jax.lax.div(column, jnp.int32(S))  # [W S]: this chunk's list entry of each key
     listed = item < n_items
     entry = b * M + lo + jnp.where(listed, item, 0)  # an entry of the list, read or not
     page = pages[entry]
@@ -166,7 +166,7 @@ def kernel(*refs, p, tm):
 
   init = (jnp.zeros((R, p.D), jnp.float32), jnp.full((R,), LARGE_NEGATIVE, jnp.float32),
           jnp.zeros((R,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(0, jax.lax.div(n_items + W - 1, W), body, init)
+  acc, m, l = jax.lax.fori_loop(0, jax.lax.div(n_items + W - 1, jnp.int32(W)), body, init)
 
   @pl.when(n_items > 0)  # an empty chunk writes nothing: the merge leaves it out
   def _():

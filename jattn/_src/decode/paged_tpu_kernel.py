@@ -94,10 +94,10 @@ def kernel(*refs, p, tm):
   b, split = pl.program_id(0), pl.program_id(1)
 
   count = counts[b]
-  per = jax.lax.div(count + p.splits - 1, p.splits)  # lax.div: // lowers through sign
+  per = jax.lax.div(count + p.splits - 1, jnp.int32(p.splits))  # lax.div: // lowers through sign
   lo = jnp.minimum(split * per, count)
   n_items = jnp.minimum(lo + per, count) - lo
-  n_steps = jax.lax.div(n_items + U - 1, U)
+  n_steps = jax.lax.div(n_items + U - 1, jnp.int32(U))
 
   m_sc[...] = jnp.full(m_sc.shape, LARGE_NEGATIVE, jnp.float32)
   l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
@@ -233,8 +233,8 @@ def kernel(*refs, p, tm):
     attend(i, slot, keep, s_pos, valid_keys)
 
   def body(i, carry):
-    slot = jax.lax.rem(i, depth)
-    start(i + depth - 1, jax.lax.rem(i + depth - 1, depth))
+    slot = jax.lax.rem(i, jnp.int32(depth))
+    start(i + depth - 1, jax.lax.rem(i + depth - 1, jnp.int32(depth)))
     wait(i, slot)
     if mask_jaxpr is not None or score_jaxpr is not None:  # the mods see every position
       attend_masked(i, slot)

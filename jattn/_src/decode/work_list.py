@@ -65,8 +65,8 @@ def closed_form_nonempty(mask_mod, cache, *, q_first, T: int):
     return None
   one = lambda offset: closed_form_classes(mask_mod, B, T, M * ps, T, ps, offset, 0)
   classes = jax.vmap(one)(q_first)[:, :, 0, 0, :]  # [B (offsets), B|1, M]
-  own = jnp.arange(B) if classes.shape[1] == B else jnp.zeros((B,), jnp.int32)
-  return classes[jnp.arange(B), own] != EMPTY
+  own = jnp.arange(B, dtype=jnp.int32) if classes.shape[1] == B else jnp.zeros((B,), jnp.int32)
+  return classes[jnp.arange(B, dtype=jnp.int32), own] != EMPTY
 
 
 def items(needed: jax.Array, W: int):

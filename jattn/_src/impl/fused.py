@@ -112,14 +112,14 @@ def splash_attention(q, k, v, *, q_ids, kv_ids, q_lengths, kv_lengths, sinks, sc
     kv_ids = jnp.zeros((B, S), jnp.int32) if kv_ids is None else kv_ids.astype(jnp.int32)
     if plan.kv_lengths:  # padding keys get an id no query has
       outside = jnp.minimum(q_ids.min(), kv_ids.min()) - 1
-      kv_ids = jnp.where(jnp.arange(S)[None, :] < kv_lengths[:, None], kv_ids, outside)
+      kv_ids = jnp.where(jnp.arange(S, dtype=jnp.int32)[None, :] < kv_lengths[:, None], kv_ids, outside)
   else:
     q_ids = kv_ids = None
   sinks = None if sinks is None else sinks.astype(jnp.float32)
   out = _run_splash(plan, q, k, v, q_ids, kv_ids, sinks, save_residuals=False)
   keep = jnp.ones((B, 1, T, 1), bool)
   if plan.q_lengths:
-    keep &= (jnp.arange(T)[None, :] < q_lengths[:, None])[:, None, :, None]
+    keep &= (jnp.arange(T, dtype=jnp.int32)[None, :] < q_lengths[:, None])[:, None, :, None]
   if plan.guard_empty_rows:
     # A row with no key gets splash's average of masked values; jattn returns
     # zeros. Such rows carry splash's mask value as lse: find them with a

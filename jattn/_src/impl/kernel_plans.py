@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jattn._src.masks import mods as M
@@ -218,6 +219,10 @@ def pallas_plan(call, platform: str):
     if segments and not same_ids:
       raise _Cannot("it takes one segment-id array for queries and keys: pass the same "
                     "array as q_segment_ids and kv_segment_ids")
+    if (causal or segments) and jax.config.jax_enable_x64:
+      raise _Cannot("under jax_enable_x64 its causal and segment masks cannot be traced "
+                    "(they divide an int32 block index by a Python int, which x64 makes "
+                    "int64)")
     scale = float(call.scale) if isinstance(call.scale, (int, float)) else None
     return PallasPlan(causal=bool(causal), segments=segments, document=doc is not None,
                       scale=scale, interpret=call.interpret)

@@ -310,7 +310,7 @@ def _any_and_every(per_head):
 
 def _plan_classes(g, count: int, lo, hi, vis_lo, vis_hi):
   """int8 [count]: the structural plan's ranges as block classes (visible = FULL)."""
-  at = jnp.arange(count)
+  at = jnp.arange(count, dtype=jnp.int32)
   full = (at >= vis_lo) & (at < vis_hi) & (g.q_ids is None)
   return jnp.where(full, FULL, jnp.where((at >= lo) & (at < hi), PARTIAL, EMPTY)).astype(jnp.int8)
 
@@ -328,9 +328,11 @@ def _by_class(table, plan):
   some = (table != EMPTY) & (plan != EMPTY)
   no_mod = some & (table == FULL)
   group = jnp.where(no_mod & (plan == FULL), 3, jnp.where(no_mod, 2, jnp.where(some, 1, 0)))
-  order = jnp.argsort(-group, stable=True)
-  n_full = jnp.sum(group == 3)
-  return order, n_full, n_full + jnp.sum(group == 2), jnp.sum(some)
+  # int32 throughout, as the loops' indices, also under jax_enable_x64
+  order = jnp.argsort(-group, stable=True).astype(jnp.int32)
+  n_full = jnp.sum(group == 3, dtype=jnp.int32)
+  return (order, n_full, n_full + jnp.sum(group == 2, dtype=jnp.int32),
+          jnp.sum(some, dtype=jnp.int32))
 
 
 def _gathered(body, order):
@@ -455,8 +457,8 @@ class _Grid:
 
   def _block_index(self, i, j):
     """Global positions of block (i, j) for the mods (padding clipped to the last real one)."""
-    t = self.q_offset + jnp.minimum(i * self.bq + jnp.arange(self.bq), self.T - 1)
-    s = self.kv_offset + jnp.minimum(j * self.bk + jnp.arange(self.bk), self.S - 1)
+    t = self.q_offset + jnp.minimum(i * self.bq + jnp.arange(self.bq, dtype=jnp.int32), self.T - 1)
+    s = self.kv_offset + jnp.minimum(j * self.bk + jnp.arange(self.bk, dtype=jnp.int32), self.S - 1)
     return {"B": jnp.arange(self.B, dtype=jnp.int32), "K": jnp.arange(self.K, dtype=jnp.int32),
             "G": jnp.arange(self.G, dtype=jnp.int32), "T": t.astype(jnp.int32),
             "S": s.astype(jnp.int32)}
@@ -608,7 +610,7 @@ class _Grid:
   def add_bias_grad(self, d_bias, ds_t, i, j):
     """Adds ds_t [B, K, bk, R] (transposed) into d_bias (bias's padded shape) at block (i, j)."""
     ds = jnp.swapaxes(ds_t, 2, 3).reshape(self.B, self.N, self.bq, self.bk)
-    start = [0, 0, 0, 0]
+    start = [jnp.int32(0)] * 4  # int32, as the block offsets, also under jax_enable_x64
     for axis in range(4):
       if d_bias.shape[axis] == 1:
         ds = ds.sum(axis=axis, keepdims=True)

@@ -353,7 +353,7 @@ def _pipelined(count, fetch, wait, body, carry):
     fetch(0, 0)
 
   def step(k, carry):
-    slot = lax.rem(k, 2)
+    slot = lax.rem(k, jnp.int32(2))
 
     @pl.when(k + 1 < count)
     def _():

@@ -237,7 +237,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan, 
     delta = compat.mgpu_load(smem["delta"].at[wg], _WGMMA.reduce(1))
 
     def body(k, dq):
-      slot = lax.rem(k, _STAGES)
+      slot = lax.rem(k, jnp.int32(_STAGES))
       j, full = side_c.step(k)
       plgpu.barrier_wait(smem["k_bars"].at[slot])
       plgpu.barrier_wait(smem["v_bars"].at[slot])
@@ -400,14 +400,15 @@ def _produce(p: Plan, side, smem, gmem, kv_at, b, h, count):
       copy_v(k, k)
 
   def refill(k, carry):  # a slot once both consumers released it
-    slot = lax.rem(k, _STAGES)
+    slot = lax.rem(k, jnp.int32(_STAGES))
     plgpu.barrier_wait(smem["k_free"].at[slot])
     copy_k(k, slot)
     plgpu.barrier_wait(smem["v_free"].at[slot])
     copy_v(k, slot)
     return carry
 
-  lax.fori_loop(_STAGES, jnp.maximum(count, _STAGES), refill, None)
+  stages = jnp.int32(_STAGES)  # int32 bounds, also under jax_enable_x64
+  lax.fori_loop(stages, jnp.maximum(count, stages), refill, None)
 
 
 def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
@@ -427,7 +428,7 @@ def _consume(p: Plan, side, smem, qo, b, n, tile, wg, count):
 
   def body(k, carry):
     acc, m, l = carry
-    slot = lax.rem(k, _STAGES)
+    slot = lax.rem(k, jnp.int32(_STAGES))
     j, full = side.step(k)
     plgpu.barrier_wait(smem["k_bars"].at[slot])
 
@@ -569,7 +570,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
 
       def step(kk, carry):
         t = t0 + kk
-        slot = lax.rem(t, _STAGES)
+        slot = lax.rem(t, jnp.int32(_STAGES))
 
         @pl.when(t >= _STAGES)
         def _():
@@ -614,7 +615,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
       def body(kk, carry):
         dk, dv = carry
         t = t0 + kk
-        slot = lax.rem(t, _STAGES)
+        slot = lax.rem(t, jnp.int32(_STAGES))
         i, full = side.step(kk)
         for x in range(5 if "q_rows" in smem else 4):
           plgpu.barrier_wait(bars.at[x * _STAGES + slot])

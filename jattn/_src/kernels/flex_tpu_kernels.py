@@ -439,7 +439,7 @@ def _kv_index(tables, G):
   non-empty tiles, the last one, already fetched); the kv tile alone)."""
   def kv_tile(b, n, i, w, *refs):
     return _kv_step(tables, refs, b, n, i, w)[0]
-  return (lambda b, n, i, w, *refs: (b, jax.lax.div(n, G), kv_tile(b, n, i, w, *refs), 0),
+  return (lambda b, n, i, w, *refs: (b, jax.lax.div(n, jnp.int32(G)), kv_tile(b, n, i, w, *refs), 0),
           kv_tile)
 
 
@@ -606,9 +606,9 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   # grid (b, kv head c, kv tile j, r = g Wq + w): query head n = c G + g, query tile i
   # the w-th non-empty one of kv tile j's column (past them, the last: already fetched)
   def q_tile(b, c, j, r, *refs):
-    n = c * G + jax.lax.div(r, Wq)
-    return _q_step(tables, refs, b, n, j, jax.lax.rem(r, Wq))[0]
-  qrow = lambda b, c, j, r, *refs: (b, c * G + jax.lax.div(r, Wq), q_tile(b, c, j, r, *refs), 0)
+    n = c * G + jax.lax.div(r, jnp.int32(Wq))
+    return _q_step(tables, refs, b, n, j, jax.lax.rem(r, jnp.int32(Wq)))[0]
+  qrow = lambda b, c, j, r, *refs: (b, c * G + jax.lax.div(r, jnp.int32(Wq)), q_tile(b, c, j, r, *refs), 0)
   kvrow = lambda b, c, j, r, *_: (b, c, j, 0)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, p=p, tm=tm, Wq=Wq, G=G, tables=tables),
@@ -759,8 +759,8 @@ def _dkv_kernel(*refs, p: Plan, tm: _TileMods, Wq: int, G: int, tables):
   row_refs = rest[6:6 + nr]
   dk_ref, dv_ref, dk_sc, dv_sc = rest[6 + nr:]
   b, c, j, r = (pl.program_id(a) for a in range(4))
-  n = c * G + jax.lax.div(r, Wq)
-  i, cls = _q_step(tables, table_refs, b, n, j, jax.lax.rem(r, Wq))
+  n = c * G + jax.lax.div(r, jnp.int32(Wq))
+  i, cls = _q_step(tables, table_refs, b, n, j, jax.lax.rem(r, jnp.int32(Wq)))
 
   @pl.when(r == 0)
   def _init():

@@ -413,7 +413,8 @@ def check(jaxpr, meta, score: bool) -> str | tuple:
 
   args = [jax.ShapeDtypeStruct((), jnp.int32)] * 2 + [jax.ShapeDtypeStruct(tile, jnp.int32)] * 2
   if score:
-    args = [jax.ShapeDtypeStruct(tile, jnp.float32)] + args
+    # the score's dtype as traced (float64 for a float64 call, which kernels refuse later)
+    args = [jax.ShapeDtypeStruct(tile, jaxpr.invars[0].aval.dtype)] + args
   try:
     jax.eval_shape(f, *args)  # a scalar result (of b and n alone) is broadcast by the caller
   except Unsupported as e:

@@ -195,10 +195,10 @@ def classify(mods, B: int, N: int, T: int, S: int, bq: int, bk: int, q_offset=0,
       every = jnp.all(keep | ~valid, axis=(2, 4))
       return jnp.where(every, FULL, jnp.where(some, PARTIAL, EMPTY)).astype(jnp.int8)
 
-    per_group = lax.map(group, jnp.arange(groups))  # [groups, B, N, c]
+    per_group = lax.map(group, jnp.arange(groups, dtype=jnp.int32))  # [groups, B, N, c]
     return jnp.moveaxis(per_group, 0, 2).reshape(B, N, groups * c)[..., :nk]
 
-  per_row = lax.map(row, jnp.arange(nq))  # [nq, B, N, nk]
+  per_row = lax.map(row, jnp.arange(nq, dtype=jnp.int32))  # [nq, B, N, nk]
   classes = jnp.moveaxis(per_row, 0, 2)
   return jnp.broadcast_to(classes, (B_all, N_all) + classes.shape[2:])
 

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from jattn._src import compat
 from jattn._src.core import checks as _checks
 from jattn._src.core.explicit_axes import unsharded
+from jattn._src.core.softmax import logits_dtype
 from jattn._src.masks.closed_form_blocks import is_closed_form
 from jattn._src.masks.mods import check_fit
 
 _INDEX = jax.ShapeDtypeStruct((), jnp.int32)
-_SCORE = jax.ShapeDtypeStruct((), jnp.float32)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -103,10 +103,17 @@ class Mods:
     """mask_mod(b, n, t, s) -> bool scalar."""
     return jax.core.eval_jaxpr(self.mask_jaxpr, self.mask_consts, b, n, t, s)[0]
 
+  @property
+  def score_dtype(self):
+    """The dtype of the score score_mod was traced on (the call's logits')."""
+    return self.score_jaxpr.invars[0].aval.dtype
+
   def score(self, score, b, n, t, s, consts=None):
-    """score_mod(score, b, n, t, s) -> float32 scalar; consts replace the captured arrays."""
+    """score_mod(score, b, n, t, s) -> a scalar of score's dtype; consts replace the
+    captured arrays."""
     consts = self.score_consts if consts is None else consts
-    out = jax.core.eval_jaxpr(self.score_jaxpr, consts, score, b, n, t, s)[0]
+    out = jax.core.eval_jaxpr(self.score_jaxpr, consts, score.astype(self.score_dtype), b, n,
+                              t, s)[0]
     return out.astype(score.dtype)
 
   def without_score_consts(self) -> "Mods":
@@ -186,13 +193,14 @@ def _is_pytree(mod) -> bool:
 
 def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int, B: int | None = None,
                T: int | None = None, S: int | None = None,
-               defer_ready_made: bool = False) -> Mods | None:
+               defer_ready_made: bool = False, logits_dtype=jnp.float32) -> Mods | None:
   """Checks the programmable arguments (before any work) and bundles them; None if all absent.
 
   B, T, S: the call's sizes that a ready-made mod's arrays must fit (`mods.check_fit`; N
   too), None where unchecked. defer_ready_made: keep a ready-made mask_mod (jattn.mods)
   untraced, for `Mods.traced` to trace inside the caller's jit (then the value is
-  `is_cacheable`)."""
+  `is_cacheable`). logits_dtype: the score score_mod is traced on (`softmax.logits_dtype`
+  of the inputs': float64 for float64 calls, else float32)."""
   if mask_mod is None and score_mod is None and sinks is None and block_mask is None:
     return None
   for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
@@ -212,7 +220,8 @@ def build_mods(mask_mod, score_mod, sinks, block_mask, *, N: int, B: int | None 
   if score_mod is not None:
     call = "(score, b, n, t, s) -> float"
     _check_arity("score_mod", score_mod, 5, call)
-    closed = _trace("score_mod", score_mod, (_SCORE,) + (_INDEX,) * 4, call, "float")
+    score = jax.ShapeDtypeStruct((), logits_dtype)
+    closed = _trace("score_mod", score_mod, (score,) + (_INDEX,) * 4, call, "float")
     jaxpr, consts = compat.open_jaxpr(closed)
     fields.update(score_jaxpr=jaxpr, score_consts=consts)
   if sinks is not None:
@@ -293,19 +302,21 @@ def add_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array, out_letters: str
 
   A row with no key (lse = LARGE_NEGATIVE) gets out' = 0 and lse' = sink.
   """
-  lse_all = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+  acc = logits_dtype(lse.dtype)  # float32, float64 for float64 calls
+  lse_all = jnp.logaddexp(lse, sinks.astype(acc)[None, :, None])
   factor = _rows_like_out(jnp.exp(lse - lse_all), out_letters)
-  return (out.astype(jnp.float32) * factor).astype(out.dtype), lse_all
+  return (out.astype(acc) * factor).astype(out.dtype), lse_all
 
 
 def sinks_grad(out: jax.Array, lse: jax.Array, d_out: jax.Array, sinks: jax.Array,
                out_letters: str) -> jax.Array:
-  """float32 [N]: d loss / d sinks = -sum_{b,t} p_sink * (d_out . out), p_sink = exp(sink - lse).
+  """float32 [N] (float64 for float64 calls): d loss / d sinks = -sum_{b,t} p_sink *
+  (d_out . out), p_sink = exp(sink - lse).
 
   out and lse are the final ones (sinks included).
   """
+  acc = logits_dtype(lse.dtype)
   # delta [B, N, T] = sum_D d_out * out
-  delta = jnp.einsum(f"{out_letters},{out_letters}->BNT", d_out.astype(jnp.float32),
-                     out.astype(jnp.float32))
-  p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+  delta = jnp.einsum(f"{out_letters},{out_letters}->BNT", d_out.astype(acc), out.astype(acc))
+  p_sink = jnp.exp(sinks.astype(acc)[None, :, None] - lse)
   return -jnp.sum(p_sink * delta, axis=(0, 2))

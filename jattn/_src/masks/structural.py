@@ -30,7 +30,7 @@ def causal_mask(T: int, S: int) -> jax.Array:
     >>> jattn.causal_mask(2, 3).astype(int).tolist()
     [[1, 0, 0], [1, 1, 0]]
   """
-  return jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
+  return jnp.arange(S, dtype=jnp.int32)[None, :] <= jnp.arange(T, dtype=jnp.int32)[:, None]
 
 
 def local_mask(T: int, S: int, window) -> jax.Array:
@@ -44,7 +44,7 @@ def local_mask(T: int, S: int, window) -> jax.Array:
     [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
   """
   left, right = _window(window)
-  offset = jnp.arange(S)[None, :] - jnp.arange(T)[:, None]  # j - i
+  offset = jnp.arange(S, dtype=jnp.int32)[None, :] - jnp.arange(T, dtype=jnp.int32)[:, None]  # j - i
   return (offset >= -left) & (offset <= right)
 
 
@@ -67,7 +67,7 @@ def _valid_positions(lengths, L: int) -> jax.Array:
   """bool [B, L]: position < length; [1, L] all True when lengths is None."""
   if lengths is None:
     return jnp.ones((1, L), bool)
-  return jnp.arange(L)[None, :] < jnp.asarray(lengths)[:, None]
+  return jnp.arange(L, dtype=jnp.int32)[None, :] < jnp.asarray(lengths)[:, None]
 
 
 def segment_mask(q_segment_ids, kv_segment_ids) -> jax.Array:
@@ -175,4 +175,4 @@ class MaskSpec:
 
   def full(self, T: int, S: int) -> jax.Array | None:
     """bool [B or 1, 1, T, S] over the whole grid."""
-    return self.block(jnp.arange(T), jnp.arange(S))
+    return self.block(jnp.arange(T, dtype=jnp.int32), jnp.arange(S, dtype=jnp.int32))

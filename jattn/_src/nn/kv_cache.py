@@ -35,7 +35,7 @@ def write(cache: jax.Array, new: jax.Array, index: jax.Array, lengths: jax.Array
   """
   token_axis = token_axis % cache.ndim
   S = cache.shape[token_axis]
-  t = jnp.arange(S)[None, :] - index[:, None]  # [B, S]: the new token landing on s
+  t = jnp.arange(S, dtype=jnp.int32)[None, :] - index[:, None]  # [B, S]: the new token landing on s
   written = (t >= 0) & (t < lengths[:, None])  # [B, S]
   # [B, S, K, H] or [B, K, H, S]: new tokens moved to their cache positions; where t is
   # out of [0, T) nothing is written, so whichever token mode="clip" reads there is dropped
@@ -47,8 +47,8 @@ def write(cache: jax.Array, new: jax.Array, index: jax.Array, lengths: jax.Array
 
 def decode_mask(index: jax.Array, T: int, S: int) -> jax.Array:
   """bool [B, 1, T, S]: query t, at position index[b] + t, attends cached keys s <= it."""
-  q_pos = index[:, None] + jnp.arange(T)[None, :]  # [B, T]
-  return jnp.arange(S)[None, None, None, :] <= q_pos[:, None, :, None]
+  q_pos = index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+  return jnp.arange(S, dtype=jnp.int32)[None, None, None, :] <= q_pos[:, None, :, None]
 
 
 def check_lengths(lengths, B: int, T: int) -> jax.Array:

@@ -30,7 +30,7 @@ from jattn._src.masks.structural import MaskSpec
 
 def _lengths(q_len, kv_len, T, S, bq, bk):
   """int8 [B, 1, nq, nk] of query and key/value lengths [B] (None: no limit)."""
-  qf, kf = jnp.arange(0, T, bq), jnp.arange(0, S, bk)
+  qf, kf = jnp.arange(0, T, bq, dtype=jnp.int32), jnp.arange(0, S, bk, dtype=jnp.int32)
   ql, kl = jnp.minimum(qf + bq, T) - 1, jnp.minimum(kf + bk, S) - 1
   big = jnp.int32(2**30)
   q_len = jnp.full((1,), big) if q_len is None else jnp.asarray(q_len)

@@ -79,7 +79,7 @@ def local_heads(mods, first, count: int):
     fields.update(mask_jaxpr=shifted.mask_jaxpr, mask_consts=shifted.mask_consts)
   if mods.has_score and mods.score_uses(2):
     shifted = build_mods(None, lambda x, b, n, t, s: mods.score(x, b, n + first, t, s), None,
-                         None, N=count)
+                         None, N=count, logits_dtype=mods.score_dtype)
     fields.update(score_jaxpr=shifted.score_jaxpr, score_consts=shifted.score_consts)
   return dataclasses.replace(mods, **fields)
 
