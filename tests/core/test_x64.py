@@ -5,7 +5,8 @@ kernels' int32 indices, and jnp.arange defaults to int64. On a CPU with
 implementation=None the TPU and GPU kernels' programs are traced too, so before, a
 float32 default call failed under x64; so did create_block_mask, the blockwise bias
 gradient and the paged decode kernels. A float64 call with a score_mod failed (the mod
-was traced on a float32 score), and with sinks lost float64 precision.
+was traced on a float32 score), with sinks lost float64 precision, and a float64 decode
+computed in float32.
 References: float64 NumPy and plain float64 jnp autodiff, written here.
 Letters: B T S N K H D.
 """
@@ -29,11 +30,13 @@ def _qkv(dtype=np.float32, T=T, H=H):
   return tuple(jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
 
 
-def _dense(q, k, v, *, causal=True, bias=None, window=None, cap=None, sinks=None):
+def _dense(q, k, v, *, causal=True, bias=None, window=None, cap=None, sinks=None,
+           scale=None):
   """Attention in plain jnp on whatever dtype it is given (float64 here), GQA."""
   G = q.shape[2] // k.shape[2]
   k, v = (jnp.repeat(x, G, axis=2) for x in (k, v))
-  x = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(q.shape[-1])
+  scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+  x = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
   if cap is not None:
     x = cap * jnp.tanh(x / cap)
   if bias is not None:
@@ -125,6 +128,28 @@ def test_paged_decode_kernels_under_x64_match_float64(implementation):
                     causal=False) for b, length in enumerate(lengths)]
   for b, want in enumerate(wants):
     np.testing.assert_allclose(out[b:b + 1], want, atol=2e-5, err_msg=f"row {b}")
+
+
+@pytest.mark.parametrize("implementation", ["split", "xla"])
+def test_float64_decode_stays_float64(implementation):
+  """Before, decode computed a float64 query in float32 (errors near 1e-7)."""
+  lengths = np.array([13, 6])
+  rng = np.random.default_rng(4)
+  with jax.enable_x64(True):
+    k, v = (jnp.asarray(rng.standard_normal((B, 16, K, H)), jnp.float64) for _ in "kv")
+    q = jnp.asarray(rng.standard_normal((B, 1, N, H)), jnp.float64)
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float64)
+    cache = jattn.paged.init_cache(B, 32, num_kv_heads=K, head_dim=H, page_size=4,
+                                   num_pages=16, dtype=jnp.float64)
+    cache = jattn.paged.append(cache, k, v, jnp.asarray(lengths, jnp.int32))
+    # (a scale float32 cannot hold: it was rounded before)
+    out = jattn.decode_attention(q, cache, score_mod=jattn.mods.soft_cap(3.0), sinks=sinks,
+                                 scale=0.3, implementation=implementation)
+    wants = [_dense(q[b:b + 1], k[b:b + 1, :length], v[b:b + 1, :length], causal=False,
+                    cap=3.0, sinks=sinks, scale=0.3) for b, length in enumerate(lengths)]
+  assert out.dtype == jnp.float64
+  for b, want in enumerate(wants):
+    np.testing.assert_allclose(out[b:b + 1], want, atol=1e-12, err_msg=f"row {b}")
 
 
 @pytest.mark.slow

@@ -142,10 +142,10 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
   whole block table (dense memory), its forward stays split.
 
   return_max_logits: also return each query's largest visible logit (after
-  scale and score_mod), float32 [B, T, N], no gradient (stopped), as
-  `dot_product_attention`'s: a query with no visible key (padding slots t >=
-  query_lengths[b] included) gets the finite -0.7 * float32 max. Sinks do not
-  count. Returns (out, max_logits) then.
+  scale and score_mod), float32 [B, T, N] (float64 for a float64 query), no
+  gradient (stopped), as `dot_product_attention`'s: a query with no visible key
+  (padding slots t >= query_lengths[b] included) gets the finite -0.7 * float32
+  max. Sinks do not count. Returns (out, max_logits) then.
 
   int8 pages (`jattn.paged.init_cache(..., dtype=jnp.int8)`) are dequantized
   by their per-(page, kv head) scales as they are read ("split", "xla" and
@@ -195,7 +195,9 @@ def decode_attention(query, cache, *, query_lengths=None, mask_mod=None, score_m
   # A user's function traced for this call (a jaxpr in the mods) would never hit the
   # jit's cache, so it runs in the caller's trace; otherwise an eager call compiles once.
   run = _run if mods is None or mods.is_cacheable else _run.__wrapped__
-  return run(jnp.asarray(query), cache, mods, q_lengths, jnp.asarray(scale, jnp.float32),
+  # the scale in the logits' dtype (float32; float64 for a float64 query)
+  return run(jnp.asarray(query), cache, mods, q_lengths,
+             jnp.asarray(scale, logits_dtype(query.dtype)),
              call=call, choices=choices)
 
 

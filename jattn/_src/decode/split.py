@@ -22,6 +22,7 @@ from jax import lax
 from jattn._src.decode import paged_cache as _paged
 from jattn._src.decode import tile as _tile
 from jattn._src.decode import work_list as _work_list
+from jattn._src.core.softmax import logits_dtype
 
 
 def _queries(query, cache, q_lengths):
@@ -50,7 +51,8 @@ def needed_pages(mods, cache, *, q_first, q_pos, q_valid, q_lengths, causal, win
 
 def _outputs(carry, mods, dtype, return_max_logits: bool):
   """The running (m, l, o) -> out [B, T, N, D], and with return_max_logits the max
-  visible logits float32 [B, T, N] (m: LARGE_NEGATIVE where none), no gradient."""
+  visible logits float32 [B, T, N] (float64 for a float64 query; m: LARGE_NEGATIVE where
+  none), no gradient."""
   out = _tile.finish(carry, None if mods is None else mods.sinks, dtype)
   if not return_max_logits:
     return out
@@ -106,7 +108,7 @@ def split(query, cache, mods, *, q_lengths, causal: bool, window, scale, pages_p
     return _tile.merge(carry, *partial, r, B)
 
   carry = lax.fori_loop(0, _work_list.steps(count, W), step,
-                        _tile.empty(B, K, N // K, T, D))
+                        _tile.empty(B, K, N // K, T, D, logits_dtype(query.dtype)))
   return _outputs(carry, mods, dtype, return_max_logits)
 
 

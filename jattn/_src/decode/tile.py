@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn._src.core.softmax import LARGE_NEGATIVE
+from jattn._src.core.softmax import LARGE_NEGATIVE, logits_dtype
 
 
 def on_entries(fn, shape, *args):
@@ -51,13 +51,14 @@ def tile(q, k, v, mods, *, rows, q_pos, q_valid, s_pos, s_valid, causal, window,
   """q [W, T, K, G, H], k [W, K, S, H], v [W, K, S, D] -> (m, l [W, K, G, T], o [W, K, G, T, D]).
 
   m: the max visible logit (LARGE_NEGATIVE where none); l, o: sum of exp(logit
-  - m) and of its weighted values, float32.
+  - m) and of its weighted values, float32 (float64 for a float64 query).
   """
   W, T, K, G, H = q.shape
+  acc = logits_dtype(q.dtype)
   heads = jnp.arange(K * G, dtype=jnp.int32).reshape(K, G)
   # logits [W, K, G, T, S] in float32: one matmul per (page, kv head) for its G heads
-  logits = jnp.einsum("WTKGH,WKSH->WKGTS", q, k, preferred_element_type=jnp.float32)
-  logits = logits * jnp.asarray(scale, jnp.float32)
+  logits = jnp.einsum("WTKGH,WKSH->WKGTS", q, k, preferred_element_type=acc)
+  logits = logits * jnp.asarray(scale, acc)
   keep = visible(mods, rows=rows, heads=heads, q_pos=q_pos, q_valid=q_valid, s_pos=s_pos,
                  s_valid=s_valid, causal=causal, window=window)
   if mods is not None and mods.has_score:
@@ -73,8 +74,7 @@ def tile(q, k, v, mods, *, rows, q_pos, q_valid, s_pos, s_valid, causal, window,
   # Slots past a row's length may hold a freed row's stale values: zero them, since
   # 0 * NaN would not be 0.
   v = jnp.where(s_valid[:, None, :, None], v, jnp.zeros((), v.dtype))
-  o = jnp.einsum("WKGTS,WKSD->WKGTD", p.astype(v.dtype), v,
-                 preferred_element_type=jnp.float32)
+  o = jnp.einsum("WKGTS,WKSD->WKGTD", p.astype(v.dtype), v, preferred_element_type=acc)
   return m, p.sum(axis=-1), o
 
 
@@ -89,11 +89,11 @@ def merge(carry, m_w, l_w, o_w, rows, B: int):
   return m_new, l, o
 
 
-def empty(B: int, K: int, G: int, T: int, D: int):
-  """The running (m, l, o) of rows that have seen no key."""
+def empty(B: int, K: int, G: int, T: int, D: int, dtype=jnp.float32):
+  """The running (m, l, o) of rows that have seen no key, in `dtype` (the logits')."""
   rows = (B, K, G, T)
-  return (jnp.full(rows, LARGE_NEGATIVE, jnp.float32), jnp.zeros(rows, jnp.float32),
-          jnp.zeros(rows + (D,), jnp.float32))
+  return (jnp.full(rows, LARGE_NEGATIVE, dtype), jnp.zeros(rows, dtype),
+          jnp.zeros(rows + (D,), dtype))
 
 
 def finish(carry, sinks, dtype):
@@ -107,6 +107,6 @@ def finish(carry, sinks, dtype):
   out = o / jnp.where(seen, l, 1.0)[..., None]
   if sinks is not None:
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), LARGE_NEGATIVE)
-    sink = sinks.astype(jnp.float32).reshape(K, G)[None, :, :, None]  # [1, K, G, 1]
+    sink = sinks.astype(o.dtype).reshape(K, G)[None, :, :, None]  # [1, K, G, 1]
     out = out * jnp.exp(lse - jnp.logaddexp(lse, sink))[..., None]
   return jnp.einsum("BKGTD->BTKGD", out).reshape(B, T, K * G, D).astype(dtype)
