@@ -11,8 +11,6 @@ References: float64 NumPy and plain float64 jnp autodiff, written here.
 Letters: B T S N K H D.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -45,10 +45,6 @@ class Layout:
   def without_batch(self) -> "Layout":
     return Layout(self.query.replace("B", ""))
 
-  def with_batch(self) -> "Layout":
-    """The layout with a leading batch letter B where it has none."""
-    return self if self.has_batch else Layout("B" + self.query)
-
 
 def parse_layout(layout: object, query_shape: tuple[int, ...]) -> Layout:
   """Checks `layout` against the query's rank; drops B when the query has none."""

@@ -23,7 +23,7 @@ from jattn._src.masks.programmable import add_sinks, sinks_grad
 
 
 def batched(layout: Layout) -> Layout:
-  return layout.with_batch()
+  return layout if layout.has_batch else Layout("B" + layout.query)
 
 
 def with_batch(x, layout):
@@ -77,8 +77,9 @@ def kernel_run(forward, backward, primal=None):
   Each pass takes its forward-mode derivative from the blockwise loop (`forward_mode`),
   so `jax.jvp` of `jax.grad` and `jax.hessian` pass through the kernels.
   """
-  forward, backward = forward_mode.forward_pass(forward), forward_mode.backward_pass(backward)
-  primal = None if primal is None else forward_mode.forward_pass(primal)
+  forward = _tangents_from(forward, blockwise_forward)
+  backward = _tangents_from(backward, blockwise_backward)
+  primal = None if primal is None else _tangents_from(primal, blockwise_forward)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
   def attention(plan, layout, query, key, value, modifiers):
@@ -104,9 +105,9 @@ def kernel_run(forward, backward, primal=None):
       d_sinks = None if mods.sinks is None else sinks_grad(
           o, lse, d_o, mods.sinks, batched(layout).out).astype(mods.sinks.dtype)
       if d_consts is None and (plan.score_reads or plan.score_tables):
-        d_consts = blockwise_score_grads(plan, layout, query, key, value, modifiers,
-                                         _accumulator_out(plan, layout, query, key, value,
-                                                          modifiers, out), lse, d_out)
+        d_consts = blockwise_backward(plan, layout, query, key, value, modifiers,
+                                      _accumulator_out(plan, layout, query, key, value,
+                                                       modifiers, out), lse, d_out)[3]
       elif d_consts is None:  # no float array read: nothing to differentiate
         d_consts = (None,) * len(mods.score_consts)
       d_mods = mods.gradients(sinks=d_sinks, score_consts=d_consts)
@@ -159,21 +160,38 @@ def _accumulator_out(plan, layout: Layout, query, key, value, modifiers, out):
   row term rowsum(out * d_out) of score_mod's gradients carries no 16-bit rounding."""
   if jnp.finfo(out.dtype).bits >= 32:
     return out
+  out, lse, _ = blockwise_forward(plan, layout, query, key, value, modifiers)
+  if modifiers.sinks is not None:
+    out, _ = add_sinks(with_batch(out, layout), lse, modifiers.sinks, batched(layout).out)
+    out = without_batch(out, layout)
+  return out
+
+
+def blockwise_forward(plan, layout: Layout, query, key, value, modifiers):
+  """A kernel's forward by jattn's blockwise loop (pure JAX, memory linear in T and S):
+  (out float32 in `layout`, lse float32 [B, N, T], max logits [B, N, T]); no sinks."""
   q, k, v = (with_batch(x, layout) for x in (query, key, value))
-  out, lse, _ = blockwise_loop.forward_with_max(
+  out, lse, max_logits = blockwise_loop.forward_with_max(
       q, k, v, modifiers, batched(layout), 0, 0, BlockSizes(plan.block_q, plan.block_kv),
       accumulator_out=True)
-  if modifiers.sinks is not None:
-    out, _ = add_sinks(out, lse, modifiers.sinks, batched(layout).out)
-  return without_batch(out, layout)
+  return without_batch(out, layout), lse, max_logits
 
 
-def blockwise_score_grads(plan, layout: Layout, query, key, value, modifiers, out, lse, d_out,
-                          q_offset=0, kv_offset=0) -> tuple:
-  """Gradients into score_mod's float arrays for a kernel that gives none: by jattn's
-  blockwise backward (pure JAX, memory linear in T and S), not in a kernel. Arrays in
-  `layout` (with or without B); lse float32 [B, N, T]."""
+def blockwise_backward(plan, layout: Layout, query, key, value, modifiers, out, lse, d_out):
+  """A kernel's backward by jattn's blockwise loop: (dq, dk, dv in `layout`, score_mod's
+  float arrays' gradients: a tuple, None for the others). Arrays in `layout` (with or
+  without B); lse float32 [B, N, T]."""
   q, k, v, o, d_o = (with_batch(x, layout) for x in (query, key, value, out, d_out))
-  return blockwise_loop.backward_with_score_grads(
-      q, k, v, modifiers, batched(layout), q_offset, kv_offset,
-      BlockSizes(plan.block_q, plan.block_kv), o, lse, d_o)[4]
+  d_q, d_k, d_v, _, d_consts = blockwise_loop.backward_with_score_grads(
+      q, k, v, modifiers, batched(layout), 0, 0, BlockSizes(plan.block_q, plan.block_kv), o,
+      lse, d_o)
+  return (*(without_batch(x, layout) for x in (d_q, d_k, d_v)), d_consts)
+
+
+def _tangents_from(kernel_pass, reference):
+  """kernel_pass(plan, layout, *arrays) with its forward-mode derivative taken from the
+  same pass of the blockwise loop, `reference` (`forward_mode.tangent_from`)."""
+  def run(plan, layout, *arrays):
+    return forward_mode.tangent_from(functools.partial(reference, plan, layout))(
+        functools.partial(kernel_pass, plan, layout))(*arrays)
+  return run
