@@ -359,8 +359,8 @@ class MultiHeadAttention(nnx.Module):
       if self.normalize_qk:
         query, key = self.query_ln(query), self.key_ln(key)
       start = self.decode_positions(B) if decode else jnp.zeros((B,), jnp.int32)
-      query, key = self.encode_positions(query, key, start[:, None] + jnp.arange(T, dtype=jnp.int32),
-                                         start[:, None] + jnp.arange(S, dtype=jnp.int32))
+      t, s = (jnp.arange(L, dtype=jnp.int32) for L in (T, S))
+      query, key = self.encode_positions(query, key, start[:, None] + t, start[:, None] + s)
       if paged:
         sinks = None if self.sinks is None else self.sinks[...]
         cache, out = _paged_step.step(

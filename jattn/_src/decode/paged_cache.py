@@ -261,14 +261,15 @@ def _allocate(cache: PagedKVCache, new_tokens):
   wanted = -(-(cache.lengths + new_tokens) // ps)  # [B] pages each row needs in all
   need = jnp.maximum(wanted - held, 0)  # [B]
   free_ids = jnp.nonzero(cache.page_free, size=P, fill_value=P)[0].astype(jnp.int32)  # [P]
-  first = jnp.cumsum(need, dtype=jnp.int32) - need  # [B]: row b's share starts here in free_ids
+  first = jnp.cumsum(need, dtype=jnp.int32) - need  # [B]: row b's share starts in free_ids
   j = jnp.arange(M, dtype=jnp.int32)[None, :]  # [1, M] table slots
   fresh = (j >= held[:, None]) & (j < (held + need)[:, None])  # [B, M]
   picked = free_ids[jnp.clip(first[:, None] + j - held[:, None], 0, P - 1)]  # [B, M]
   table = jnp.where(fresh, picked, cache.block_table)
   taken = jnp.where(fresh, picked, P).reshape(-1)  # P: dropped by the scatter
   page_free = cache.page_free.at[taken].set(False, mode="drop")
-  bits = (jnp.where(jnp.sum(need, dtype=jnp.int32) > jnp.sum(cache.page_free, dtype=jnp.int32), POOL_FULL, 0)
+  pages_free = jnp.sum(cache.page_free, dtype=jnp.int32)
+  bits = (jnp.where(jnp.sum(need, dtype=jnp.int32) > pages_free, POOL_FULL, 0)
           | jnp.where(jnp.any(wanted > M), PAST_TABLE, 0)).astype(jnp.int32)
   new = dataclasses.replace(cache, block_table=table.astype(jnp.int32), page_free=page_free)
   return _refused(cache, new, bits), bits
@@ -323,7 +324,8 @@ def _append(cache: PagedKVCache, key, value, new_tokens):
   refused = bits != 0  # the allocation was refused: write nothing
   pos = grown.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
   page = jnp.take_along_axis(grown.block_table, jnp.clip(pos // ps, 0, M - 1), axis=1)
-  written = (jnp.arange(T, dtype=jnp.int32)[None, :] < new_tokens[:, None]) & ~refused  # [B, T]
+  t = jnp.arange(T, dtype=jnp.int32)
+  written = (t[None, :] < new_tokens[:, None]) & ~refused  # [B, T]
   page = jnp.where(written & (page != NO_PAGE), page, cache.num_pages)  # out of range: dropped
   slot = pos % ps
   # token (b, t) goes to [page[b, t], :, slot[b, t]]: the two index arrays [B, T] around

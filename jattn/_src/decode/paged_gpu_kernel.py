@@ -119,7 +119,8 @@ def kernel(*refs, p, tm):
 
   def body(step, carry):
     acc, m, l = carry
-    item = step * W + jax.lax.div(column, jnp.int32(S))  # [W S]: this chunk's list entry of each key
+    # [W S]: this chunk's list entry of each key
+    item = step * W + jax.lax.div(column, jnp.int32(S))
     listed = item < n_items
     entry = b * M + lo + jnp.where(listed, item, 0)  # an entry of the list, read or not
     page = pages[entry]

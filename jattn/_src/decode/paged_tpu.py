@@ -181,7 +181,8 @@ def work_list(cache, needed):
   B, M = needed.shape
   order = jnp.argsort(~needed, axis=1, stable=True).astype(jnp.int32)  # needed first
   pages = jnp.take_along_axis(cache.block_table, order, axis=1)
-  pages = jnp.where(jnp.arange(M, dtype=jnp.int32)[None, :] < needed.sum(1, keepdims=True, dtype=jnp.int32), pages, 0)
+  listed = needed.sum(1, keepdims=True, dtype=jnp.int32)
+  pages = jnp.where(jnp.arange(M, dtype=jnp.int32)[None, :] < listed, pages, 0)
   return (jnp.clip(pages, 0, cache.num_pages - 1).reshape(-1), order.reshape(-1),
           needed.sum(1, dtype=jnp.int32))
 

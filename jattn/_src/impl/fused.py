@@ -112,7 +112,8 @@ def splash_attention(q, k, v, *, q_ids, kv_ids, q_lengths, kv_lengths, sinks, sc
     kv_ids = jnp.zeros((B, S), jnp.int32) if kv_ids is None else kv_ids.astype(jnp.int32)
     if plan.kv_lengths:  # padding keys get an id no query has
       outside = jnp.minimum(q_ids.min(), kv_ids.min()) - 1
-      kv_ids = jnp.where(jnp.arange(S, dtype=jnp.int32)[None, :] < kv_lengths[:, None], kv_ids, outside)
+      s = jnp.arange(S, dtype=jnp.int32)
+      kv_ids = jnp.where(s[None, :] < kv_lengths[:, None], kv_ids, outside)
   else:
     q_ids = kv_ids = None
   sinks = None if sinks is None else sinks.astype(jnp.float32)

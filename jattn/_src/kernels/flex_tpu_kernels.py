@@ -439,7 +439,8 @@ def _kv_index(tables, G):
   non-empty tiles, the last one, already fetched); the kv tile alone)."""
   def kv_tile(b, n, i, w, *refs):
     return _kv_step(tables, refs, b, n, i, w)[0]
-  return (lambda b, n, i, w, *refs: (b, jax.lax.div(n, jnp.int32(G)), kv_tile(b, n, i, w, *refs), 0),
+  return (lambda b, n, i, w, *refs: (b, jax.lax.div(n, jnp.int32(G)),
+                                     kv_tile(b, n, i, w, *refs), 0),
           kv_tile)
 
 
@@ -608,7 +609,8 @@ def backward(plan_: Plan, layout: Layout, query, key, value, mods, out, lse, d_o
   def q_tile(b, c, j, r, *refs):
     n = c * G + jax.lax.div(r, jnp.int32(Wq))
     return _q_step(tables, refs, b, n, j, jax.lax.rem(r, jnp.int32(Wq)))[0]
-  qrow = lambda b, c, j, r, *refs: (b, c * G + jax.lax.div(r, jnp.int32(Wq)), q_tile(b, c, j, r, *refs), 0)
+  qrow = lambda b, c, j, r, *refs: (b, c * G + jax.lax.div(r, jnp.int32(Wq)),
+                                    q_tile(b, c, j, r, *refs), 0)
   kvrow = lambda b, c, j, r, *_: (b, c, j, 0)
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, p=p, tm=tm, Wq=Wq, G=G, tables=tables),

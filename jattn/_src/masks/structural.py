@@ -44,7 +44,8 @@ def local_mask(T: int, S: int, window) -> jax.Array:
     [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
   """
   left, right = _window(window)
-  offset = jnp.arange(S, dtype=jnp.int32)[None, :] - jnp.arange(T, dtype=jnp.int32)[:, None]  # j - i
+  # j - i
+  offset = jnp.arange(S, dtype=jnp.int32)[None, :] - jnp.arange(T, dtype=jnp.int32)[:, None]
   return (offset >= -left) & (offset <= right)
 
 
