@@ -11,6 +11,8 @@ References: float64 NumPy and plain float64 jnp autodiff, written here.
 Letters: B T S N K H D.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +24,10 @@ from jattn._src.impl.interpret import pallas_interpret
 B, T, N, K, H = 2, 64, 4, 2, 16
 
 
-def _qkv(dtype=np.float32, T=T, H=H):
+def _qkv(dtype=np.float32, T=T, H=H, heads=(N, K)):
   rng = np.random.default_rng(0)
-  shapes = ((B, T, N, H), (B, T, K, H), (B, T, K, H))
+  n, k = heads
+  shapes = ((B, T, n, H), (B, T, k, H), (B, T, k, H))
   return tuple(jnp.asarray(rng.standard_normal(s), dtype) for s in shapes)
 
 
@@ -151,22 +154,36 @@ def test_float64_decode_stays_float64(implementation):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("implementation", ["flex_mgpu", pytest.param(
-    "flex_mgpu_ws", marks=pytest.mark.xfail(strict=True, reason=(
-        "known, not mended: under x64 the interpreted producer's refill loop carries "
-        "int64 values the Mosaic GPU interpreter cannot lower (flex_mgpu_ws._produce)")))])
-def test_mosaic_gpu_kernels_under_x64_match_float64(implementation):
-  q, k, v = _qkv(jnp.bfloat16, H=64)
+@pytest.mark.parametrize("implementation, heads, x64", [
+    ("flex_mgpu", (4, 2), "context"),
+    # jax's Mosaic GPU interpreter runs a kernel of several warpgroups on threads of its
+    # own, which do not see a thread's `jax.enable_x64` context: it traces the
+    # warp-specialised kernel's loops with x64 on and lowers them with it off, and fails
+    # to verify (jax 0.12.0.1; flex_mgpu, one warpgroup, runs on the caller's thread).
+    # So x64 is switched on for the process. With grouped heads (N = 4, K = 2) the
+    # interpreted program then stalled, in each of three runs: the consumers wait at the
+    # side-input barrier and the producer's thread, inside its XLA program, never issues
+    # the copies (not understood; with x64 off the same call ran). Thorough, without
+    # grouped heads, so that a stall cannot hang the default tier.
+    pytest.param("flex_mgpu_ws", (4, 4), "process", marks=pytest.mark.thorough)])
+def test_mosaic_gpu_kernels_under_x64_match_float64(implementation, heads, x64):
+  q, k, v = _qkv(jnp.bfloat16, H=64, heads=heads)
   f = lambda q, k, v: jattn.dot_product_attention(q, k, v, is_causal=True,
                                                   implementation=implementation)
-  with jax.enable_x64(True), pallas_interpret():
-    try:
+  was = jax.config.jax_enable_x64
+  switch = jax.enable_x64(True) if x64 == "context" else contextlib.nullcontext()
+  if x64 == "process":
+    jax.config.update("jax_enable_x64", True)
+  try:
+    with switch, pallas_interpret():
       out = f(q, k, v)
-    except ValueError as error:
-      if "InterpretGPUParams" in str(error):  # jax 0.10 has no Mosaic GPU interpreter
-        pytest.skip(str(error))
-      raise
-    want = _dense(*_as64(q, k, v))
+      want = _dense(*_as64(q, k, v))
+  except ValueError as error:
+    if "InterpretGPUParams" in str(error):  # jax 0.10 has no Mosaic GPU interpreter
+      pytest.skip(str(error))
+    raise
+  finally:
+    jax.config.update("jax_enable_x64", was)
   np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2)
 
 
