@@ -194,6 +194,9 @@ def call_kwargs(case: str, T: int, N: int):
     return causal
   if case == "window":
     return dict(is_causal=True, local_window_size=(1023, 0))
+  if case == "window_mod":  # the same window written as a mask_mod, as FlexAttention's users do
+    return dict(mask_mod=jattn.mods.and_masks(jattn.mods.causal(),
+                                              jattn.mods.sliding_window(1023)))
   if case == "documents":
     return dict(mask_mod=jattn.mods.document(jnp.asarray(doc_ids(T))))
   if case == "segments":  # the same documents as segment ids (flex_tpu: as mods.document)
@@ -209,9 +212,9 @@ def call_kwargs(case: str, T: int, N: int):
   raise ValueError(case)
 
 
-FLEX_CASES = ("none", "causal", "window", "documents", "segments", "softcap", "alibi",
-              "relbias")
-SPLASH_CASES = ("none", "causal", "window", "documents", "segments", "softcap")
+FLEX_CASES = ("none", "causal", "window", "window_mod", "documents", "segments", "softcap",
+              "alibi", "relbias")
+SPLASH_CASES = ("none", "causal", "window", "window_mod", "documents", "segments", "softcap")
 # the kernels' names in the dump (regular expressions): splash names its kernels by
 # heads (mha, or mqa for grouped heads), segment ids and residuals
 KERNELS = {"flex_tpu": {"fwd": "jattn_flex_tpu_fwd", "dq": "jattn_flex_tpu_dq",

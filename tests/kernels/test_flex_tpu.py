@@ -872,6 +872,106 @@ def test_grid_widths_are_the_most_nonempty_tiles_of_a_row_and_a_column():
         assert got[0] >= want[0] and got[1] >= want[1], (T_, S_, bq, bk, window, q0, k0)
 
 
+# Ready-made masks and their dense form, for the grid widths their band narrows.
+_BANDED_MASKS = {
+    "sliding_window": (lambda: jattn.mods.sliding_window(150, 40),
+                       lambda t, s: (s >= t - 150) & (s <= t + 40)),
+    "chunked": (lambda: jattn.mods.chunked(96), lambda t, s: t // 96 == s // 96),
+    "causal_and_window": (
+        lambda: jattn.mods.and_masks(jattn.mods.causal(), jattn.mods.sliding_window(130)),
+        lambda t, s: (s <= t) & (s >= t - 130)),
+    "window_or_chunk": (
+        lambda: jattn.mods.or_masks(jattn.mods.sliding_window(20), jattn.mods.chunked(64)),
+        lambda t, s: ((s >= t - 20) & (s <= t)) | (t // 64 == s // 64)),
+}
+
+
+def test_grid_widths_of_ready_made_masks_are_the_most_nonempty_tiles():
+  """A ready-made mask_mod's band (`tile_classes.mask_band`) narrows the grids as causal
+  and the window do: against the dense mask's tiles counted by brute force, exact for a
+  window (the mask is its band), an upper bound for chunks and at ring offsets; a mask
+  with no band (documents, a hand-written function, or_masks with one) keeps every
+  tile."""
+  from jattn._src.kernels.tile_classes import grid_widths
+
+  def brute(allowed, T_, S_, bq, bk, q0=0, k0=0):
+    ok = allowed(q0 + np.arange(T_)[:, None], k0 + np.arange(S_)[None, :])
+    nq, nk = -(-T_ // bq), -(-S_ // bk)
+    tiles = np.pad(ok, ((0, nq * bq - T_), (0, nk * bk - S_))).reshape(
+        nq, bq, nk, bk).any(axis=(1, 3))
+    return max(tiles.sum(1).max(), 1), max(tiles.sum(0).max(), 1)
+
+  def plan(mask_mod, T_, S_, bq, bk, offsets=False):
+    m = Modifiers(mods=build_mods(mask_mod, None, None, None, N=1), scale=1.0)
+    return flex_tpu.plan(B=1, T=T_, S=S_, N=1, K=1, H=8, D=8, dtype=jnp.float32,
+                         modifiers=m, block_q=bq, block_kv=bk, interpret=True,
+                         offsets=offsets)
+
+  rng = np.random.default_rng(3)
+  for name, (mask_mod, allowed) in _BANDED_MASKS.items():
+    for _ in range(8):
+      T_, S_ = (int(x) for x in rng.integers(1, 900, 2))
+      bq, bk = int(rng.choice([8, 16, 64])), int(rng.choice([128, 256]))
+      got, want = grid_widths(plan(mask_mod(), T_, S_, bq, bk)), brute(allowed, T_, S_, bq, bk)
+      if name in ("sliding_window", "causal_and_window"):  # the mask is its band: exact
+        assert got == want, (name, T_, S_, bq, bk)
+      else:  # chunks inside the band: at least the count
+        assert got[0] >= want[0] and got[1] >= want[1], (name, T_, S_, bq, bk)
+      at_offsets = grid_widths(plan(mask_mod(), T_, S_, bq, bk, offsets=True))
+      for q0, k0 in rng.integers(0, 2000, (4, 2)):
+        want = brute(allowed, T_, S_, bq, bk, int(q0), int(k0))
+        assert at_offsets[0] >= want[0] and at_offsets[1] >= want[1], (name, q0, k0)
+  ids = jnp.zeros((1, 700), jnp.int32)
+  for unbounded in (jattn.mods.document(ids), lambda b, n, t, s: s <= t + 5,
+                    jattn.mods.or_masks(jattn.mods.causal(), jattn.mods.chunked(64))):
+    p = plan(unbounded, 700, 700, 64, 128)
+    assert grid_widths(p) == (6, 11), unbounded
+
+
+@pytest.mark.parametrize("name, block_mask", [
+    ("sliding_window", None), ("chunked", None), ("causal_and_window", "conservative"),
+    pytest.param("window_or_chunk", None, marks=pytest.mark.thorough)])
+def test_ready_made_mask_grid_values_and_gradients(name, block_mask):
+  """The kernel over a ready-made mask_mod's narrowed grid (fewer steps than tiles), the
+  classes the mask's own closed forms; with a block mask that calls every tile PARTIAL
+  (valid: the kernel evaluates the mask on each) the kernel follows the block mask as
+  given, over every tile. out, lse and dq, dk, dv, grouped heads, against float64 NumPy."""
+  from jattn._src.kernels.tile_classes import grid_widths
+  from tests.reference_grads import reference_mods_vjp
+  T_, S_, N_, K_, H_, bq, bk = 300, 640, 2, 1, 32, 16, 128
+  q, k, v = _inputs(T=T_, S=S_, N=N_, K=K_, H=H_, D=H_)
+  d_out = jnp.asarray(np.random.default_rng(8).normal(size=(B, T_, N_, H_)), jnp.float32)
+  mask_mod, allowed = _BANDED_MASKS[name]
+  if block_mask is not None:
+    made = jattn.create_block_mask(mask_mod(), None, None, T_, S_,
+                                   block_sizes=jattn.BlockSizes(q=bq, kv=bk))
+    block_mask = dataclasses.replace(made, classes=jnp.ones_like(made.classes))  # PARTIAL
+  m = Modifiers(mods=build_mods(mask_mod(), None, None, block_mask, N=N_),
+                scale=1 / np.sqrt(H_))
+  p = flex_tpu.plan(B=B, T=T_, S=S_, N=N_, K=K_, H=H_, D=H_, dtype=q.dtype, modifiers=m,
+                    block_q=bq, block_kv=bk, interpret=True)
+  assert not isinstance(p, str) and p.skip, p
+  W, Wq = grid_widths(p)
+  if block_mask is None:
+    assert W < p.S_padded // bk and Wq < p.T_padded // bq, (W, Wq)  # the grids shrink
+  else:
+    assert (W, Wq) == (p.S_padded // bk, p.T_padded // bq), (W, Wq)
+  lay = Layout("BTNH")
+
+  def loss(q, k, v):
+    out, _, lse = flex_tpu_call.run(p, q, k, v, m, lay)[:3]
+    return jnp.sum(out * d_out), (out, lse)
+
+  (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  ok = allowed(np.arange(T_)[:, None], np.arange(S_)[None, :])[None, None]
+  want, dq, dk, dv = reference_mods_vjp(q, k, v, d_out, allowed=ok)
+  np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(lse, _lse(q, k, np.broadcast_to(ok, (B, N_, T_, S_))),
+                             atol=2e-5, rtol=1e-5)
+  for g, w in zip(grads, (dq, dk, dv)):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-4)
+
+
 def test_window_grid_at_ring_offsets_values_and_gradients():
   """A ring step (traced global offsets) with causal and a wide window: the grid widths
   from the band's width alone (fewer than the tiles), the band's one bound per tile at

@@ -39,7 +39,7 @@ from jattn._src.masks import structure_mods
 from jattn._src.masks.modifiers import Modifiers
 from jattn._src.kernels import kernel_plan
 from jattn._src.kernels.kernel_plan import round_up
-from jattn._src.kernels.tile_classes import grid_widths
+from jattn._src.kernels.tile_classes import classes_given, grid_widths, mask_band
 
 _DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 LANES = 128  # TPU vector lanes: the row statistics m, l and lse are kept this wide
@@ -75,6 +75,10 @@ class Plan(kernel_plan.TilePlan):
   table_reads: tuple = ()
   # the forward also writes each row's running max m (return_max_logits)
   max_logits: bool = False
+  # (lo, hi): the offsets s - t a ready-made mask_mod keeps, lo <= s - t <= hi (None:
+  # unbounded), which narrow the grids as causal and the window do (`mask_band`); not
+  # where a block_mask gives the classes (the kernel follows it as given, FULL unmasked)
+  mask_band: tuple = (None, None)
 
 
 def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
@@ -132,6 +136,8 @@ def plan(*, B: int, T: int, S: int, N: int, K: int, H: int, D: int, dtype,
            (TPU_INTERPRETER.get() or True) if interpret else False, score_reads, skip,
            facts.mask_rows, score_tables, bool(offsets), facts.table_reads,
            max_logits=bool(return_max_logits))
+  if m.mods is not None and not classes_given(p, m.mods):
+    p = dataclasses.replace(p, mask_band=mask_band(m.mods.mask_mod))
   if skip:  # int32 tables [B|1, N|1, nq, W] and [.., nk, Wq], two each, in SMEM: without
     # room, no skipping
     W, Wq = grid_widths(p)

@@ -324,7 +324,7 @@ def _block_tables(p: Plan, mods, origin=(0, 0)):
   does nothing) and the tile the last non-empty one, so that Pallas, which copies only
   when the block index changes, fetches nothing. q_list, q_cls: the same per kv tile
   along the query tiles, for the dk/dv kernel. The widths W, Wq are static
-  (`grid_widths`: causal and the window bound them).
+  (`grid_widths`: causal, the window and a ready-made mask_mod's band bound them).
   """
   if not p.skip:
     return None, []

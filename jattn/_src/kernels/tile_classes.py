@@ -4,7 +4,8 @@ forms for is_causal, windows and the ready-made `jattn.mods` masks, a `block_mas
 made with the same tiles, else mask_mod evaluated block by block (`classify`), ANDed
 by the least class), the same masks entry by entry inside one tile (`tile_keep`, and
 `band_keep`: causal and the window as one band of s - t), and the grid's widths when
-it runs only the non-empty tiles (`grid_widths`).
+it runs only the non-empty tiles (`grid_widths`, narrowed by a ready-made mask_mod's
+band: `mask_band`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,8 @@ def tile_classes(p, mods, origin=(0, 0)):
     parts.append(closed_form_classes(jattn_mods.SlidingWindow(*p.window), 1, p.T, p.S, bq, bk,
                                      *at))
   if p.has_mask_mod:
-    nq, nk = p.T_padded // bq, p.S_padded // bk
-    bm = mods.block_mask
-    if not p.offsets and bm is not None and bm.T == p.T and bm.S == p.S and tuple(
-        bm.classes.shape[2:]) == (nq, nk) and (bm.block_sizes.q, bm.block_sizes.kv) == (bq, bk):
-      classes = bm.classes
+    if classes_given(p, mods):
+      classes = mods.block_mask.classes
     else:
       classes = None
       if mods.mask_mod is not None:
@@ -49,6 +47,17 @@ def tile_classes(p, mods, origin=(0, 0)):
   for part in parts[1:]:  # AND of masks: the least class (EMPTY < PARTIAL < FULL)
     classes = jnp.minimum(classes, part.astype(jnp.int32))
   return classes
+
+
+def classes_given(p, mods) -> bool:
+  """Whether the call's block_mask gives the classes of the plan's tiles (made for its T,
+  S and tiles, no ring offsets): the kernels then follow it as given, FULL tiles
+  unmasked, and no band narrows the grid (`grid_widths`)."""
+  bm = None if mods is None else mods.block_mask
+  nq, nk = p.T_padded // p.block_q, p.S_padded // p.block_kv
+  return (not p.offsets and bm is not None and bm.T == p.T and bm.S == p.S
+          and tuple(bm.classes.shape[2:]) == (nq, nk)
+          and (bm.block_sizes.q, bm.block_sizes.kv) == (p.block_q, p.block_kv))
 
 
 def both(keep, more):
@@ -121,14 +130,43 @@ def band(p):
   return lo, hi
 
 
+def mask_band(mask_mod) -> tuple[int | None, int | None]:
+  """(lo, hi): the offsets s - t outside which a ready-made mask_mod hides every entry,
+  lo <= s - t <= hi (None: unbounded on that side), from its static fields: causal and
+  sliding_window as `band`, chunked(c) within c - 1 either way, and_masks the
+  intersection, or_masks the hull; any other mask (documents, prefix_lm, lengths, a
+  hand-written function) bounds nothing."""
+  if isinstance(mask_mod, jattn_mods.Causal):
+    return None, 0
+  if isinstance(mask_mod, jattn_mods.SlidingWindow):
+    return -mask_mod.left, mask_mod.right
+  if isinstance(mask_mod, jattn_mods.Chunked):
+    return -(mask_mod.size - 1), mask_mod.size - 1
+  if isinstance(mask_mod, (jattn_mods.And, jattn_mods.Or)):
+    los, his = zip(*map(mask_band, mask_mod.mask_mods))
+    if isinstance(mask_mod, jattn_mods.And):
+      return (max((x for x in los if x is not None), default=None),
+              min((x for x in his if x is not None), default=None))
+    return (None if None in los else min(los), None if None in his else max(his))
+  return None, None
+
+
+def _intersect(a, b):
+  """The intersection of two bands (lo, hi), None unbounded."""
+  lo = [x for x in (a[0], b[0]) if x is not None]
+  hi = [x for x in (a[1], b[1]) if x is not None]
+  return (max(lo) if lo else None), (min(hi) if hi else None)
+
+
 def grid_widths(p) -> tuple[int, int]:
   """(kv width, q width), static: the most non-empty kv tiles a query tile's row can
   have (the forward's and dq's grid runs only those, `flex_tpu_kernels`), and the most
-  non-empty query tiles a kv tile's column can have (dk/dv's). Bounded by causal and
-  the window (mask_mod can only remove tiles); exact from the tile edges, or, under
+  non-empty query tiles a kv tile's column can have (dk/dv's). Bounded by causal, the
+  window and the band of a ready-made mask_mod (`p.mask_band`, set where no block_mask
+  gives the classes; a mask can only remove tiles); exact from the tile edges, or, under
   `p.offsets` (positions traced), the most tiles a band of that width can touch."""
   nq, nk = p.T_padded // p.block_q, p.S_padded // p.block_kv
-  lo, hi = band(p)
+  lo, hi = _intersect(band(p), p.mask_band)
   if lo is None and hi is None:
     return nk, nq
   if p.offsets:
