@@ -10,6 +10,8 @@ band: `mask_band`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,11 +144,10 @@ def mask_band(mask_mod) -> tuple[int | None, int | None]:
     return -mask_mod.left, mask_mod.right
   if isinstance(mask_mod, jattn_mods.Chunked):
     return -(mask_mod.size - 1), mask_mod.size - 1
-  if isinstance(mask_mod, (jattn_mods.And, jattn_mods.Or)):
+  if isinstance(mask_mod, jattn_mods.And):
+    return functools.reduce(_intersect, map(mask_band, mask_mod.mask_mods), (None, None))
+  if isinstance(mask_mod, jattn_mods.Or):
     los, his = zip(*map(mask_band, mask_mod.mask_mods))
-    if isinstance(mask_mod, jattn_mods.And):
-      return (max((x for x in los if x is not None), default=None),
-              min((x for x in his if x is not None), default=None))
     return (None if None in los else min(los), None if None in his else max(his))
   return None, None
 
