@@ -834,22 +834,30 @@ def test_window_grid_over_only_the_nonempty_tiles(T_, S_, structure):
     np.testing.assert_allclose(grads[3][n], (f(e) - f(-e)) / 2e-4, rtol=1e-3, atol=1e-4)
 
 
+def _most_nonempty_tiles(allowed, T_, S_, bq, bk, q0=0, k0=0):
+  """(most non-empty kv tiles of a row, most query tiles of a column), at least 1, counted
+  by brute force from the dense mask allowed(t, s) at global positions from q0, k0."""
+  ok = allowed(q0 + np.arange(T_)[:, None], k0 + np.arange(S_)[None, :])
+  nq, nk = -(-T_ // bq), -(-S_ // bk)
+  tiles = np.pad(ok, ((0, nq * bq - T_), (0, nk * bk - S_))).reshape(
+      nq, bq, nk, bk).any(axis=(1, 3))
+  return max(tiles.sum(1).max(), 1), max(tiles.sum(0).max(), 1)
+
+
 def test_grid_widths_are_the_most_nonempty_tiles_of_a_row_and_a_column():
   """`grid_widths` against the dense mask's tiles counted by brute force: exact without
   offsets, and an upper bound at any offsets (a ring step's traced positions)."""
   from jattn._src.kernels.tile_classes import grid_widths
 
   def brute(T_, S_, bq, bk, causal, window, q0=0, k0=0):
-    t, s = q0 + np.arange(T_)[:, None], k0 + np.arange(S_)[None, :]
-    ok = np.ones((T_, S_), bool)
-    if causal:
-      ok &= s <= t
-    if window is not None:
-      ok &= (s >= t - window[0]) & (s <= t + window[1])
-    nq, nk = -(-T_ // bq), -(-S_ // bk)
-    ok = np.pad(ok, ((0, nq * bq - T_), (0, nk * bk - S_)))
-    tiles = ok.reshape(nq, bq, nk, bk).any(axis=(1, 3))
-    return max(tiles.sum(1).max(), 1), max(tiles.sum(0).max(), 1)
+    def allowed(t, s):
+      ok = np.ones(np.broadcast_shapes(t.shape, s.shape), bool)
+      if causal:
+        ok &= s <= t
+      if window is not None:
+        ok &= (s >= t - window[0]) & (s <= t + window[1])
+      return ok
+    return _most_nonempty_tiles(allowed, T_, S_, bq, bk, q0, k0)
 
   rng = np.random.default_rng(0)
   for _ in range(40):
@@ -894,13 +902,6 @@ def test_grid_widths_of_ready_made_masks_are_the_most_nonempty_tiles():
   tile."""
   from jattn._src.kernels.tile_classes import grid_widths
 
-  def brute(allowed, T_, S_, bq, bk, q0=0, k0=0):
-    ok = allowed(q0 + np.arange(T_)[:, None], k0 + np.arange(S_)[None, :])
-    nq, nk = -(-T_ // bq), -(-S_ // bk)
-    tiles = np.pad(ok, ((0, nq * bq - T_), (0, nk * bk - S_))).reshape(
-        nq, bq, nk, bk).any(axis=(1, 3))
-    return max(tiles.sum(1).max(), 1), max(tiles.sum(0).max(), 1)
-
   def plan(mask_mod, T_, S_, bq, bk, offsets=False):
     m = Modifiers(mods=build_mods(mask_mod, None, None, None, N=1), scale=1.0)
     return flex_tpu.plan(B=1, T=T_, S=S_, N=1, K=1, H=8, D=8, dtype=jnp.float32,
@@ -912,14 +913,15 @@ def test_grid_widths_of_ready_made_masks_are_the_most_nonempty_tiles():
     for _ in range(8):
       T_, S_ = (int(x) for x in rng.integers(1, 900, 2))
       bq, bk = int(rng.choice([8, 16, 64])), int(rng.choice([128, 256]))
-      got, want = grid_widths(plan(mask_mod(), T_, S_, bq, bk)), brute(allowed, T_, S_, bq, bk)
+      got = grid_widths(plan(mask_mod(), T_, S_, bq, bk))
+      want = _most_nonempty_tiles(allowed, T_, S_, bq, bk)
       if name in ("sliding_window", "causal_and_window"):  # the mask is its band: exact
         assert got == want, (name, T_, S_, bq, bk)
       else:  # chunks inside the band: at least the count
         assert got[0] >= want[0] and got[1] >= want[1], (name, T_, S_, bq, bk)
       at_offsets = grid_widths(plan(mask_mod(), T_, S_, bq, bk, offsets=True))
       for q0, k0 in rng.integers(0, 2000, (4, 2)):
-        want = brute(allowed, T_, S_, bq, bk, int(q0), int(k0))
+        want = _most_nonempty_tiles(allowed, T_, S_, bq, bk, int(q0), int(k0))
         assert at_offsets[0] >= want[0] and at_offsets[1] >= want[1], (name, q0, k0)
   ids = jnp.zeros((1, 700), jnp.int32)
   for unbounded in (jattn.mods.document(ids), lambda b, n, t, s: s <= t + 5,
