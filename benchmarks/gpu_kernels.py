@@ -93,7 +93,8 @@ def jax_contenders(case: str, B: int, T: int, N: int, smoke: bool = False):
   if case in ("causal", "no_mask", "window") and not smoke:  # no cuDNN off a GPU
     out["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, implementation="cudnn", **kw)
-  if case in ("causal", "no_mask"):
+  # jax's Pallas Triton mha, where this jax has it (jax 0.12.1 removed it)
+  if case in ("causal", "no_mask") and compat.missing("pallas_mha") is None:
     def mha(q, k, v):
       from jax.experimental.pallas.ops.gpu import attention
       return attention.mha(q, k, v, segment_ids=None, causal=case == "causal",

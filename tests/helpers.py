@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from jax import export
 
+from jattn._src import compat
+
 # The seed's hand-computable 4-token example (examples/worked_example.py).
 X = np.array([[1, 1, 1, 0], [1, 2, 1, 0], [0, 1, 0, 1], [0, 1, 1, 0]], np.float32)
 W_Q = np.array([[1, 0, 1], [1, 1, 1], [0, 0, 1], [1, 0, 0]], np.float32)
@@ -20,6 +22,15 @@ EXPECTED = np.array([
     [3.8407, 7.5669, 3.8595],
     [3.7902, 7.4482, 3.8228],
 ])
+
+
+def needs_api(api: str):
+  """Skips a test of what a kernel of jax's does with `api` (a key of compat.APIS) where
+  this jax lacks it: jax 0.12.1 removed its Pallas Triton ops, "pallas_mha" (the
+  implementation "pallas") with them. tests/impl/test_compat.py checks, there, that the
+  kernel refuses every call with the reason and that implementation=None passes over it."""
+  reason = compat.missing(api)
+  return pytest.mark.skipif(reason is not None, reason=f"{api}: {reason}")
 
 
 # Custom calls without jax's compatibility guarantee in jattn's CUDA programs: Triton's

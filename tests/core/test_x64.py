@@ -20,6 +20,7 @@ import pytest
 
 import jattn
 from jattn._src.impl.interpret import pallas_interpret
+from tests.helpers import needs_api
 
 B, T, N, K, H = 2, 64, 4, 2, 16
 
@@ -187,6 +188,7 @@ def test_mosaic_gpu_kernels_under_x64_match_float64(implementation, heads, x64):
   np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2)
 
 
+@needs_api("pallas_mha")
 def test_jaxs_pallas_kernel_refuses_its_masks_under_x64_by_name():
   q, k, v = _qkv()
   with jax.enable_x64(True), pallas_interpret(), pytest.raises(

@@ -13,7 +13,7 @@ import numpy as np
 from jax import export
 
 import jattn
-from tests.helpers import raises
+from tests.helpers import needs_api, raises
 from tests.reference import reference_mods
 
 B, T, N, H = 1, 128, 2, 64
@@ -106,6 +106,14 @@ def test_an_explicit_kernel_that_runs_nowhere_gives_its_own_reason():
   q = jnp.zeros((B, T, N, H))
   with raises(ValueError, r"implementation='splash' cannot run this call: it takes no bias$"):
     jattn.dot_product_attention(q, q, q, bias=jnp.zeros((T, T)), implementation="splash")
+  with raises(ValueError, r"implementation='flex_gpu' cannot run this call: a dense bias "
+                          r"\[\.\., T, S\]: not read by the kernel \(score_mod is\)$"):
+    jattn.dot_product_attention(q, q, q, bias=jnp.zeros((T, T)), implementation="flex_gpu")
+
+
+@needs_api("pallas_mha")
+def test_jaxs_gpu_kernel_that_runs_nowhere_gives_its_own_reason():
+  q = jnp.zeros((B, T, N, H))
   with raises(ValueError, r"implementation='pallas' cannot run this call: it cannot honour "
                           r"local_window_size$"):
     jattn.dot_product_attention(q, q, q, local_window_size=(2, 0), implementation="pallas")

@@ -27,7 +27,7 @@ import jattn
 from jattn import mods
 from jattn._src import deviceless
 from jattn._src.impl.registry import CPU_BLOCKWISE_FROM
-from tests.helpers import CUDNN, TRITON, exported_text, hypothesis_tiers
+from tests.helpers import CUDNN, TRITON, exported_text, hypothesis_tiers, needs_api
 from tests.reference_grads import reference_mods_vjp
 
 KERNEL_CALL = {"splash": "tpu_custom_call", "flex_tpu": "tpu_custom_call",
@@ -217,8 +217,7 @@ def _plain(T, S, dtype="float32", H=64, **changes):
 
 
 def test_cross_attention_gradient_runs_on_cpu():
-  """The issue's snippet: T = 8 queries, S = 256 keys. jax's Pallas GPU mha, which the
-  CUDA branch took, refuses T and S in different numbers of blocks in its backward."""
+  """The issue's snippet (T = 8 queries, S = 256 keys): its gradient runs."""
   q, kv = jnp.ones((2, 8, 4, 64)), jnp.ones((2, 256, 4, 64))
   loss = lambda q, k, v: jattn.dot_product_attention(q, k, v).sum()
   grads = jax.grad(loss, (0, 1, 2))(q, kv, kv)
@@ -226,12 +225,20 @@ def test_cross_attention_gradient_runs_on_cpu():
       q, k, v, implementation="xla").sum(), (0, 1, 2))(q, kv, kv)
   for g, w in zip(grads, want):
     np.testing.assert_allclose(g, w, atol=1e-6)
+
+
+@needs_api("pallas_mha")
+def test_jaxs_gpu_mha_refuses_the_cross_attention_snippet():
+  """jax's Pallas GPU mha, which the CUDA branch took for the snippet, refuses T and S in
+  different numbers of blocks in its backward."""
+  q, kv = jnp.ones((2, 8, 4, 64)), jnp.ones((2, 256, 4, 64))
   # flex_gpu comes before pallas on CUDA now: ask for pallas by name for its reason
   reason = jattn.explain(q, kv, kv, implementation="pallas").reasons("cuda")["pallas"]
   assert reason == ("Triton's dot needs blocks and head size of at least 16, got blocks of "
                     "8 x 128 and H=64"), reason
 
 
+@needs_api("pallas_mha")
 @pytest.mark.parametrize("T, S, rule", [(16, 256, "same number of blocks"),
                                         (256, 8, "at least 16"),
                                         (128, 256, "same number of blocks")])

@@ -18,7 +18,7 @@ import jattn
 from jattn import mods
 from jattn._src.impl import cudnn
 from jattn._src.impl.interpret import pallas_interpret
-from tests.helpers import from_layout, make_qkv, raises, to_layout
+from tests.helpers import from_layout, make_qkv, needs_api, raises, to_layout
 from tests.reference_grads import reference_vjp
 
 pytestmark = pytest.mark.interpret
@@ -130,6 +130,9 @@ def test_splash_against_float64_reference(case, layout):
     assert np.all(from_layout(out, layout)[:, 90:] == 0)
 
 
+# jax's Pallas GPU mha (jax 0.12.1 removed it: tests/impl/test_compat.py checks the refusal)
+PALLAS_MHA = needs_api("pallas_mha")
+
 PALLAS_CASES = {
     "plain": dict(),
     "causal": dict(is_causal=True),
@@ -140,6 +143,7 @@ PALLAS_CASES = {
 CI_PALLAS = {("causal_segments", "BNHT", 4, 2)}
 
 
+@PALLAS_MHA
 @pytest.mark.parametrize("case, layout, N, K", [
     pytest.param(c, lay, n, k, marks=_tier((c, lay, n, k) in CI_PALLAS))
     for c in PALLAS_CASES for lay in ("BTNH", "BNHT") for n, k in ((4, 4), (4, 2))])
@@ -157,10 +161,12 @@ def test_pallas_matches_xla(case, layout, N, K):
     ("splash", dict(mask_mod=mods.prefix_lm(np.array([3, 4]))), "mask_mod"),
     ("splash", dict(mask_mod=lambda b, n, t, s: s <= t), "mask_mod"),
     ("splash", dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)), "dropout_rate"),
-    ("pallas", dict(local_window_size=4), "local_window_size"),
-    ("pallas", dict(query_seq_lengths=np.array([3, 4])), "query_seq_lengths"),
-    ("pallas", dict(q_segment_ids=IDS, kv_segment_ids=OTHER_IDS), "kv_segment_ids"),
-    ("pallas", dict(return_weights=True), "return_weights"),
+    pytest.param("pallas", dict(local_window_size=4), "local_window_size", marks=PALLAS_MHA),
+    pytest.param("pallas", dict(query_seq_lengths=np.array([3, 4])), "query_seq_lengths",
+                 marks=PALLAS_MHA),
+    pytest.param("pallas", dict(q_segment_ids=IDS, kv_segment_ids=OTHER_IDS), "kv_segment_ids",
+                 marks=PALLAS_MHA),
+    pytest.param("pallas", dict(return_weights=True), "return_weights", marks=PALLAS_MHA),
 ])
 def test_explicit_kernel_names_what_it_cannot_honour(impl, kw, name):
   q, k, v = _arrays(2, 2, "BTNH")
@@ -191,7 +197,8 @@ def test_splash_without_interpret_on_cpu_names_the_platform():
     ("cuda", jnp.float32, dict(is_causal=True), "flex_gpu"),
     ("cuda", jnp.bfloat16, dict(q_segment_ids=IDS, kv_segment_ids=IDS), "flex_gpu"),
     # a traced scale: flex_gpu takes a Python number, mha folds it into the query
-    ("cuda", jnp.float32, dict(is_causal=True, scale=jnp.float32(0.3)), "pallas"),
+    pytest.param("cuda", jnp.float32, dict(is_causal=True, scale=jnp.float32(0.3)), "pallas",
+                 marks=PALLAS_MHA),
     ("cuda", jnp.float32, dict(local_window_size=3), "flex_gpu"),
     ("cuda", jnp.float32, dict(bias=np.zeros((1, 1, T, T), np.float32)), "xla"),
     ("cpu", jnp.float32, dict(is_causal=True), "blockwise"),

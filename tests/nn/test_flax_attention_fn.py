@@ -46,7 +46,9 @@ def test_nnx_module_with_it_equals_flax_default(impl):
   # gradients with respect to the parameters, under jit
   grads = lambda m: nnx.jit(nnx.grad(lambda m: (m(x, mask=causal) ** 2).sum()))(m)
   for a, b in zip(jax.tree.leaves(grads(ours)), jax.tree.leaves(grads(theirs))):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    # float32's rounding grows with the leaf: against float64, flax's gradients and these
+    # are both 1e-5 to 2e-5 off in leaves of up to 50 (jax 0.12.1), so the bound scales
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * max(10.0, np.abs(b).max()))
 
 
 def test_linen_module_with_it_equals_flax_default():
