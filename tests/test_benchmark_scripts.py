@@ -30,7 +30,7 @@ def test_kernel_benchmark_runs_in_smoke_mode(script):
 # Once per CI run, on the leg whose jax is the GPU machines' (0.11 and later): the
 # rehearsal runs the whole script, and its kernels' tests run on both legs by themselves.
 @pytest.mark.slow
-@pytest.mark.skipif(tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11),
+@pytest.mark.skipif(jax.__version_info__ < (0, 11),
                     reason="the GPU check's rehearsal runs on the jax >= 0.11 leg (the GPU "
                            "machines' jax)")
 def test_the_gpu_check_rehearses_every_stage_on_this_cpu(tmp_path):
@@ -151,7 +151,7 @@ def test_the_gpu_check_reruns_the_failed_tests_by_node_id(tmp_path):
 
 
 @pytest.mark.thorough
-@pytest.mark.skipif(tuple(map(int, jax.__version__.split(".")[:2])) < (0, 11),
+@pytest.mark.skipif(jax.__version_info__ < (0, 11),
                     reason="the rehearsal interprets flex_mgpu (jax >= 0.11's GPU interpreter)")
 def test_the_fast_path_check_rehearses_on_this_cpu(tmp_path):
   """tools/mgpu_fast_check.py --smoke: the flex_mgpu_ws check end to end, the interpreted

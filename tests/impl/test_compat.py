@@ -47,8 +47,7 @@ REMOVED = {"pallas_mha": (0, 12, 1)}  # 0.12.1 ships none of pallas/ops/gpu's Tr
 
 def _removed_here(api: str, how: str) -> bool:
   """This jax removed `api` (its module): the "module" case checks the refusal as it is."""
-  release = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-  if api not in REMOVED or release < REMOVED[api]:
+  if api not in REMOVED or jax.__version_info__ < REMOVED[api]:
     return False
   if how == "attribute":
     pytest.skip(f"jax {jax.__version__} removed {api}'s module: no name to delete from it")
