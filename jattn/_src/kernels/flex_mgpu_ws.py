@@ -623,7 +623,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
         # [64 keys, bq queries] tiles: S^T = k q^T, dP^T = v dO^T
         s = ref._mma(k_s, smem["q"].at[slot].T, (_BQ, bq)) * p.scale
         lse = compat.mgpu_load(smem["lse"].at[slot], _WGMMA.reduce(0))
-        delta = compat.mgpu_load(smem["delta"].at[slot], _WGMMA.reduce(0))
         # Registers: P^T, then dV += P^T dO, then dP^T, then dS^T, so that S^T and dP^T
         # are never live together (`flex_mgpu_kernels.weighted_probs`)
         probs, weighted = ref.weighted_probs(view, side, b, n, i, tile, s, lse, slot, True,
@@ -631,6 +630,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, p: Plan,
         dv = _mma_from_registers(p, dv, probs.astype(k_s.dtype), smem["do"].at[slot], smem,
                                  (wg, 0))  # dV += P^T dO
         dp = ref._mma(v_s, smem["do"].at[slot].T, (_BQ, bq))
+        # (delta loaded here, not beside lse: live across dV's wgmma it spilled 4 bytes
+        # with grouped heads under jax 0.12.1's ptxas)
+        delta = compat.mgpu_load(smem["delta"].at[slot], _WGMMA.reduce(0))
         ds = weighted * (dp - lax.broadcast_in_dim(delta, dp.shape, [1]))
         dk = _mma_from_registers(p, dk, ds.astype(k_s.dtype), smem["q"].at[slot], smem,
                                  (wg, 1))  # dK += dS^T q
